@@ -1,0 +1,146 @@
+"""OpenAI response bodies and stream chunks, shaped exactly as OpenAI's, built from engine outputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from tokenmill.engine.request import SequenceOutput, TokenLogprob
+from tokenmill.loader.tokenizer import Tokenizer
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_text(tk: Tokenizer, token_id: int) -> str:
+    return tk.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tk, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in logprobs]
+
+
+def completion_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], text_start: int = 0) -> dict[str, Any]:
+    tokens = [_token_text(tk, lp.token_id) for lp in logprobs]
+    offsets, at = [], text_start
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{_token_text(tk, t): v for t, v in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _joined(outs: list[SequenceOutput]) -> tuple[str, list[TokenLogprob], str | None, int]:
+    text = "".join(o.text for o in outs)
+    logprobs = [lp for o in outs for lp in o.logprobs]
+    last = outs[-1]
+    return text, logprobs, last.finish_reason, last.completion_tokens
+
+
+def chat_completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
+                    tk: Tokenizer) -> dict[str, Any]:
+    choices, completion_tokens = [], 0
+    for index, outs in enumerate(results):
+        text, logprobs, finish, n_tokens = _joined(outs)
+        completion_tokens += n_tokens
+        choices.append({
+            "index": index,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": {"content": chat_logprobs(tk, logprobs)} if logprobs else None,
+            "finish_reason": finish,
+        })
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
+               echoes: list[str], tk: Tokenizer) -> dict[str, Any]:
+    choices, completion_tokens = [], 0
+    for index, (outs, echo) in enumerate(zip(results, echoes, strict=True)):
+        text, logprobs, finish, n_tokens = _joined(outs)
+        completion_tokens += n_tokens
+        choices.append({
+            "index": index, "text": echo + text,
+            "logprobs": completion_logprobs(tk, logprobs) if logprobs else None,
+            "finish_reason": finish,
+        })
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def _chunker(request_id: str, object_: str, model: str,
+             include_usage: bool) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    """Chunks of one stream share id, object, created and model; with include_usage each carries usage: null."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {"id": request_id, "object": object_, "created": created, "model": model, "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    return chunk
+
+
+def _stream_error(out: SequenceOutput) -> dict[str, Any]:
+    return {"error": {"message": out.error or "internal error", "type": "internal_error", "param": None,
+                      "code": 500}}
+
+
+async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, tk: Tokenizer,
+                      outputs: AsyncIterator[tuple[int, SequenceOutput]]) -> AsyncIterator[dict[str, Any]]:
+    chunk = _chunker(request_id, "chat.completion.chunk", model, include_usage)
+
+    started: set[int] = set()
+    completion_tokens: dict[int, int] = {}
+    async for index, out in outputs:
+        if out.finish_reason == "error":
+            yield _stream_error(out)
+            return
+        if index not in started:
+            started.add(index)
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        completion_tokens[index] = out.completion_tokens
+        if out.text or out.logprobs:
+            logprobs = {"content": chat_logprobs(tk, out.logprobs)} if out.logprobs else None
+            yield chunk([{"index": index, "delta": {"content": out.text}, "logprobs": logprobs,
+                          "finish_reason": None}])
+        if out.finish_reason is not None:
+            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
+    if include_usage:
+        yield {**chunk([]), "usage": _usage(prompt_tokens, sum(completion_tokens.values()))}
+
+
+async def completion_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool,
+                            tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]]
+                            ) -> AsyncIterator[dict[str, Any]]:
+    chunk = _chunker(request_id, "text_completion", model, include_usage)
+
+    completion_tokens: dict[int, int] = {}
+    text_offsets: dict[int, int] = {}
+    async for index, out in outputs:
+        if out.finish_reason == "error":
+            yield _stream_error(out)
+            return
+        completion_tokens[index] = out.completion_tokens
+        if out.text or out.logprobs or out.finish_reason is not None:
+            start = text_offsets.get(index, 0)
+            text_offsets[index] = start + len(out.text)
+            logprobs = completion_logprobs(tk, out.logprobs, start) if out.logprobs else None
+            yield chunk([{"index": index, "text": out.text, "logprobs": logprobs,
+                          "finish_reason": out.finish_reason}])
+    if include_usage:
+        yield {**chunk([]), "usage": _usage(prompt_tokens, sum(completion_tokens.values()))}

@@ -1,0 +1,79 @@
+"""`tokenmill serve [MODEL]` and `tokenmill pull ALIAS`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+
+from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.errors import ModelFormatError
+
+
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset()) -> None:
+    """One --flag per dataclass field, typed and defaulted by the field itself."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # `int | None` -> int
+            kind = next(t for t in typing.get_args(kind) if t is not type(None))
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
+                            help=f"{f.metadata.get('help', '')} (default: %(default)s)")
+
+
+def _pick(cls: type, args: argparse.Namespace) -> typing.Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="An OpenAI-compatible LLM server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve.add_argument("model", nargs="?", default=EngineConfig.model,
+                       help="a .gguf file, a Hugging Face folder, a hub id or an alias (default: %(default)s)")
+    _add_dataclass_flags(serve, EngineConfig, skip={"model"})
+    _add_dataclass_flags(serve, ServerConfig)
+    pull = sub.add_parser("pull", help="fetch an embedded default model into the cache")
+    pull.add_argument("alias")
+    return parser
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    import torch
+    import uvicorn
+
+    from tokenmill.api.app import create_app
+    from tokenmill.engine.engine import Engine
+    from tokenmill.loader import load_model
+
+    if engine_config.threads:
+        torch.set_num_threads(engine_config.threads)
+    loaded = load_model(engine_config.model, engine_config.dtype, engine_config.device,
+                        engine_config.max_model_len)
+    engine = Engine(loaded, engine_config)
+    model_id = server_config.served_model_name or engine_config.model
+    app = create_app(engine, model_id, aliases={engine_config.model, str(loaded.path), loaded.path.name})
+    logging.getLogger(__name__).info("serving %s on http://%s:%d/v1", model_id, server_config.host,
+                                     server_config.port)
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "pull":
+            from tokenmill.loader.sources import pull
+
+            print(pull(args.alias))
+        elif args.command == "serve":
+            serve(_pick(EngineConfig, args), _pick(ServerConfig, args))
+    except ModelFormatError as exc:
+        print(f"tokenmill: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,48 @@
+"""Incremental detokenization: text deltas that never split a UTF-8 character, and stop strings."""
+
+from __future__ import annotations
+
+from tokenmill.loader.tokenizer import Tokenizer
+
+# Tokens of context decoded before the new ones, so that word-boundary spaces come out right.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
+                 include_stop_str: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop = stop
+        self._include_stop = include_stop_str
+        # A stop string may straddle deltas: hold back this many characters until it can be ruled out.
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # decoded output so far (cut at a stop string once one matched)
+        self._emitted = 0  # characters of self.text already returned
+        self.stopped = False
+
+    def add_token(self, token_id: int) -> None:
+        """Decode one more token; sets `stopped` when a stop string appears."""
+        self._ids.append(token_id)
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence or a token with no text: wait for more
+        new_text = full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        search_from = max(0, len(self.text) - self._holdback)
+        self.text += new_text
+        matches = [(at, stop) for stop in self._stop if (at := self.text.find(stop, search_from)) >= 0]
+        if matches:
+            at, stop = min(matches)
+            self.text = self.text[: at + len(stop) if self._include_stop else at]
+            self.stopped = True
+
+    def take_delta(self, final: bool) -> str:
+        """The text not yet returned; unless final, minus a tail that could still begin a stop string."""
+        end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - self._holdback)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,212 @@
+"""The engine: a loop on a background thread that owns the model, tokenizer and KV memory.
+
+HTTP handlers call `submit` and iterate the returned stream; everything that touches the model happens on the
+engine thread, one step at a time: schedule -> run -> sample -> postprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator
+
+import torch
+
+from tokenmill.cache.kv_cache import ContiguousKVCache
+from tokenmill.config import EngineConfig
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogprob
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.errors import RequestError
+from tokenmill.loader import LoadedModel
+from tokenmill.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """The asyncio side of one sequence: outputs arrive from the engine thread, thread-safely."""
+
+    def __init__(self, engine: Engine, seq_id: int) -> None:
+        self.seq_id = seq_id
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, output: SequenceOutput) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+
+    async def __aiter__(self) -> AsyncIterator[SequenceOutput]:
+        while not self.finished:
+            output = await self._queue.get()
+            self.finished = output.finish_reason is not None
+            yield output
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._engine.abort(self.seq_id)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.kv_cache = ContiguousKVCache(loaded.config, loaded.dtype, loaded.device)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                                   self.kv_cache)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, config.seed)
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._seqs: dict[int, Sequence] = {}
+        self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
+        self._stopping = False
+
+    # --- the asyncio side -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def check_fits(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Resolve max_tokens against the context; refuse what can never fit, with the numbers."""
+        if prompt_len == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        room = self.max_model_len - prompt_len
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = prompt_len + (max_tokens or 1)
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{asked} tokens ({prompt_len} in the prompt, {max_tokens or 1} for the completion). Please reduce "
+                f"the length of the prompt or of the completion.",
+                param="max_tokens" if room >= 1 else "messages", code="context_length_exceeded",
+            )
+        return room if max_tokens is None else max_tokens
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue one sequence; call from the event loop. Raises RequestError for what can never run."""
+        params.validate(self.tokenizer.vocab_size)
+        max_tokens = self.check_fits(len(prompt_ids), params.max_tokens)
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
+            raise RequestError("the prompt holds token ids outside the vocabulary", param="prompt")
+        seq_id = next(self._ids)
+        stream = RequestStream(self, seq_id)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.loaded.device).manual_seed(params.seed)
+        seq = Sequence(
+            seq_id=seq_id, prompt_ids=prompt_ids, params=params, max_tokens=max_tokens,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
+                                               params.include_stop_str_in_output),
+            sink=stream.put, generator=generator,
+        )
+        self._inbox.put(("add", seq))
+        return stream
+
+    def abort(self, seq_id: int) -> None:
+        self._inbox.put(("abort", seq_id))
+
+    # --- the engine thread ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            # Block for news only when idle; otherwise take what has arrived and step.
+            self._drain_inbox(block=not self.scheduler.has_work())
+            if self._stopping:
+                break
+            if self.scheduler.has_work():
+                self._step()
+        for seq in list(self._seqs.values()):
+            self._finish(seq, "abort")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            kind, item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if kind == "add":
+                assert isinstance(item, Sequence)
+                self._seqs[item.seq_id] = item
+                self.scheduler.add(item)
+            elif kind == "abort":
+                seq = self._seqs.get(item)  # type: ignore[arg-type]
+                if seq is not None:
+                    self._finish(seq, "abort")
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        try:
+            logits, sampled = self.runner.execute(plan)
+            tokens, logprobs = self.sampler(logits, sampled)
+        except Exception:
+            # A failing step fails the sequences in it, not the server.
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            for item in plan:
+                self._finish(item.seq, "error", error="internal error while running the model")
+            return
+        for item in plan:
+            item.seq.num_computed_tokens += item.num_tokens
+        for seq, token, logprob in zip(sampled, tokens, logprobs, strict=True):
+            self._append_token(seq, token, logprob)
+        for seq in sampled:
+            self._emit(seq)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        seq.output_ids.append(token)
+        seq.pending_ids.append(token)
+        if logprob is not None:
+            seq.pending_logprobs.append(logprob)
+        p = seq.params
+        seq.detokenizer.add_token(token)
+        if token in p.stop_token_ids or (token in self.tokenizer.eos_token_ids and not p.ignore_eos):
+            seq.finish_reason = "stop"
+        elif seq.detokenizer.stopped:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _emit(self, seq: Sequence) -> None:
+        if seq.finish_reason is not None:
+            self._finish(seq, seq.finish_reason)
+            return
+        self._send(seq, None)
+
+    def _send(self, seq: Sequence, finish_reason: str | None, error: str | None = None) -> None:
+        out = SequenceOutput(
+            seq_id=seq.seq_id, text=seq.detokenizer.take_delta(final=finish_reason is not None),
+            token_ids=seq.pending_ids, logprobs=seq.pending_logprobs, finish_reason=finish_reason,
+            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids), error=error,
+        )
+        seq.pending_ids, seq.pending_logprobs = [], []
+        seq.sink(out)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.status == Status.FINISHED:
+            return
+        self.scheduler.finish(seq, reason)
+        self._seqs.pop(seq.seq_id, None)
+        self._send(seq, reason, error)

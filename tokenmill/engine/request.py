@@ -1,0 +1,67 @@
+"""The state of one sequence as it moves through the engine, and what the engine hands back for it."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely tokens and their logprobs, best first
+
+
+@dataclass
+class SequenceOutput:
+    """One engine step's news for one sequence."""
+
+    seq_id: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length
+    detokenizer: IncrementalDetokenizer
+    sink: Callable[[SequenceOutput], None]  # called on the engine thread; must be thread-safe
+    generator: torch.Generator | None = None  # seeded requests sample from their own stream
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache: the single measure of progress
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    # Outputs of the current step not yet handed to the sink.
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_ids)
+        if end <= prompt_len:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]

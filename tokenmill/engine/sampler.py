@@ -1,0 +1,119 @@
+"""Batched sampling with per-request parameters.
+
+Every row of the batch carries its own temperature, filters, penalties, bias and random stream, so a request's
+tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.engine.request import Sequence, TokenLogprob
+
+_NEG_INF = float("-inf")
+
+
+def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Ragged id lists as one [rows, longest] tensor, padded with -1."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
+def _occurrences(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] counts of each token id in each row of a -1-padded id tensor."""
+    counts = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
+    counts.scatter_add_(1, torch.where(ids < 0, vocab, ids), torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int], device: torch.device, seed: int = 0) -> None:
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [rows, vocab] fp32, one row per sequence -> sampled ids and (where asked) their logprobs."""
+        raw = logits
+        logits = self._apply_penalties_and_bias(logits.clone(), seqs)
+        tokens = self._sample(logits, seqs)
+        return tokens.tolist(), self._logprobs(raw, tokens, seqs)
+
+    def _apply_penalties_and_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, vocab = logits.shape
+        dev = logits.device
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=dev)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=dev)
+            if len(seq.output_ids) < p.min_tokens:
+                banned = [*self.eos_token_ids, *p.stop_token_ids]
+                if banned:
+                    logits[i, torch.tensor(banned, device=dev)] = _NEG_INF
+        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)
+        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)
+        pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)
+        if bool((freq != 0).any() or (pres != 0).any()):
+            # OpenAI's penalties count generated tokens only.
+            counts = _occurrences(_padded([s.output_ids for s in seqs], dev), vocab)
+            logits -= freq[:, None] * counts + pres[:, None] * (counts > 0)
+        if bool((rep != 1).any()):
+            # The multiplicative penalty (CTRL, as in transformers and vLLM) covers prompt and output.
+            seen = _occurrences(_padded([s.prompt_ids + s.output_ids for s in seqs], dev), vocab) > 0
+            factor = torch.where(logits > 0, 1 / rep[:, None], rep[:, None])
+            logits = torch.where(seen, logits * factor, logits)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        temperature = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        greedy = temperature == 0
+        if bool(greedy.all()):
+            return logits.argmax(dim=-1)
+        logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
+        top_k = [s.params.top_k for s in seqs]
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
+        vocab = logits.shape[-1]
+        if any(k > 0 for k in top_k) or bool((top_p < 1).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            k = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev)
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            drop = ranks >= k[:, None]
+            probs = sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1)
+            # Keep the smallest head whose mass reaches top_p (the token that crosses it stays).
+            drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+            drop[:, 0] = False
+            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, _NEG_INF))
+        probs = logits.softmax(dim=-1)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0)
+        # Exponential race (argmax of p / E, E ~ Exp(1)) draws from p, with each row's noise from its own stream.
+        noise = torch.empty_like(probs)
+        for i, seq in enumerate(seqs):
+            noise[i].exponential_(generator=seq.generator or self.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob | None]:
+        wanted = [s.params.logprobs for s in seqs]
+        if all(k is None for k in wanted):
+            return [None] * len(seqs)
+        # Logprobs of the model's own distribution, before temperature, penalties and filters (as vLLM reports).
+        logprobs = raw.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        k_max = max(k for k in wanted if k is not None)
+        top_vals, top_ids = logprobs.topk(max(k_max, 1), dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        out: list[TokenLogprob | None] = []
+        for i, k in enumerate(wanted):
+            if k is None:
+                out.append(None)
+            else:
+                top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
+                out.append(TokenLogprob(int(tokens[i]), chosen[i], top))
+        return out

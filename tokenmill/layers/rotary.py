@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE over flat tokens, with cos/sin tables built once for every position served."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int,
+                 freq_factors: tuple[float, ...] | None = None) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.freq_factors = freq_factors
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.build_tables()
+
+    def build_tables(self) -> None:
+        """(Re)compute the tables on the module's device: models are built on the meta device, then filled."""
+        device = self.cos.device
+        if device.type == "meta":
+            return
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+        if self.freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(self.freq_factors, dtype=torch.float64)
+        angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq).float()
+        self.cos, self.sin = angles.cos().to(device), angles.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim]; positions: [tokens]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

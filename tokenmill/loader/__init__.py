@@ -1,0 +1,101 @@
+"""Load a model, its tokenizer and its chat template from a GGUF file or a Hugging Face folder."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenmill.errors import ModelFormatError
+from tokenmill.loader import gguf as gguf_loader
+from tokenmill.loader import safetensors as st_loader
+from tokenmill.loader.chat_template import ChatTemplate, template_from_metadata
+from tokenmill.loader.sources import resolve
+from tokenmill.loader.tokenizer import Tokenizer
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.registry import build_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: ModelConfig
+    model: nn.Module
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 where the hardware computes it natively (CUDA, CPUs with AMX), else fp32.
+
+    On CPUs without AMX, bf16 matmuls are emulated and slower than fp32 (see README for the measurement).
+    """
+    if name != "auto":
+        if name not in DTYPES:
+            raise ModelFormatError(f"unknown dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu" and _cpu_has_amx():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as info:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
+    except OSError:  # not Linux: no way to tell cheaply, stay with fp32
+        return False
+
+
+def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+               max_model_len_cap: int = 8192) -> LoadedModel:
+    path = resolve(model)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    started = time.perf_counter()
+    if path.is_file():
+        gguf = gguf_loader.GGUFFile(path)
+        config = gguf_loader.model_config(gguf)
+        gguf_loader.check_tensor_types(gguf)
+        tokenizer = Tokenizer.from_gguf(gguf.metadata)
+        template_source = gguf.metadata.get("tokenizer.chat_template")
+        weights = gguf_loader.load_weights(gguf, config, torch_dtype)
+    elif (path / "config.json").exists():
+        config = st_loader.model_config(path)
+        tokenizer = Tokenizer.from_folder(path)
+        template_source = None
+        if (path / "chat_template.jinja").exists():
+            template_source = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        elif (path / "tokenizer_config.json").exists():
+            template_source = st_loader.read_json(path / "tokenizer_config.json").get("chat_template")
+        weights = st_loader.load_weights(path, torch_dtype)
+    else:
+        raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
+    chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)
+    served_len = max_model_len or min(config.max_position_embeddings, max_model_len_cap)
+    net = build_model(config, weights, torch_dtype, dev, served_len)
+    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d", path.name, config.architecture,
+             config.num_layers, torch_dtype, dev, time.perf_counter() - started, served_len)
+    return LoadedModel(name=model, path=path, config=config, model=net, tokenizer=tokenizer,
+                       chat_template=chat_template, dtype=torch_dtype, device=dev, max_model_len=served_len)

@@ -1,0 +1,144 @@
+"""GGUF files through the `gguf` package: metadata, model config and weights dequantized to the compute dtype.
+
+Weights come out under Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...) in Hugging Face layout,
+so the model has one loading path for GGUF and safetensors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from tokenmill.errors import ModelFormatError
+from tokenmill.models.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_TYPES = {
+    QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
+    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class GGUFFile:
+    """An opened GGUF file: metadata as plain Python values, tensors memory-mapped."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.reader = GGUFReader(self.path)
+        except Exception as exc:  # the reader raises bare ValueError/IndexError on malformed files
+            raise ModelFormatError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+        self.metadata: dict[str, Any] = {}
+        for name, field in self.reader.fields.items():
+            if name.startswith("GGUF."):
+                continue
+            self.metadata[name] = field.contents()
+        self.architecture: str = self.metadata.get("general.architecture", "")
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+
+def model_config(gguf: GGUFFile) -> ModelConfig:
+    arch = gguf.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFormatError(
+            f"unsupported architecture {arch!r} in {gguf.path.name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    names = {t.name for t in gguf.reader.tensors}
+    hidden = int(gguf.arch_value("embedding_length"))
+    num_heads = int(gguf.arch_value("attention.head_count"))
+    embed = next(t for t in gguf.reader.tensors if t.name == "token_embd.weight")
+    freq_factors = None
+    if "rope_freqs.weight" in names:
+        tensor = next(t for t in gguf.reader.tensors if t.name == "rope_freqs.weight")
+        freq_factors = tuple(float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(embed.shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(gguf.arch_value("feed_forward_length")),
+        num_layers=int(gguf.arch_value("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(gguf.arch_value("attention.head_count_kv", num_heads)),
+        head_dim=int(gguf.arch_value("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(gguf.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(gguf.arch_value("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(gguf.arch_value("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_freq_factors=freq_factors,
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _BLOCK_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return None
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (it converts Hugging Face's rotate-half RoPE to interleaved pairs)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def check_tensor_types(gguf: GGUFFile) -> None:
+    for tensor in gguf.reader.tensors:
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise ModelFormatError(
+                f"{gguf.path.name}: tensor {tensor.name} has quantization type {tensor.tensor_type.name}, "
+                f"which tokenmill does not load; supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}"
+            )
+
+
+def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, tensor) pairs, dequantized one tensor at a time to bound peak memory."""
+    check_tensor_types(gguf)
+    for tensor in gguf.reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue  # rope_freqs is read into the config; anything else is not part of the forward pass
+        array = dequantize(tensor.data, tensor.tensor_type)
+        value = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # a copy: the map is read-only
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            value = _unpermute(value, heads)
+        yield name, value

@@ -1,0 +1,186 @@
+"""The model's own tokenizer, through the `tokenizers` library: from tokenizer.json or rebuilt from GGUF metadata."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from tokenmill.errors import ModelFormatError, RequestError
+from tokenmill.loader.safetensors import read_json
+
+log = logging.getLogger(__name__)
+
+# Token texts that end a turn in the chat formats we know; llama.cpp recognises end-of-generation tokens the
+# same way. They count only where the vocabulary marks them special.
+END_OF_TURN_TEXTS = frozenset({
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
+    "</s>", "<|return|>", "<eos>",
+})
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+
+
+def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp's `tokenizer.ggml.pre` names, in `tokenizers` terms."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"), byte_level])
+    if pre in ("qwen2", "deepseek-r1-qwen"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level])
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    if pre not in ("gpt2", "default", ""):
+        log.warning("pre-tokenizer %r is not known to tokenmill; using GPT-2's, tokenization may differ", pre)
+    return gpt2
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """SentencePiece BPE keeps no merge list; a pair merges when the joined piece exists, the best score first."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    ranked = []
+    for token, score, kind in zip(tokens, scores, types, strict=True):
+        if kind in (_CONTROL, _BYTE) or len(token) < 2:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _from_gguf_metadata(meta: dict[str, Any]) -> HFTokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=meta.get("tokenizer.ggml.pre") == "llama-bpe"))
+        tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        tok.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        unk = tokens[meta.get("tokenizer.ggml.unknown_token_id", 0)]
+        bpe = models.BPE(vocab, _spm_merges(tokens, scores, types), unk_token=unk, fuse_unk=True, byte_fallback=True)
+        tok = HFTokenizer(bpe)
+        add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+        steps = [normalizers.Prepend("▁")] if add_prefix else []
+        tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+        decode_steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(decode_steps + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
+    else:
+        raise ModelFormatError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (BPE), llama (SentencePiece)")
+    added = [
+        AddedToken(token, special=kind_ == _CONTROL, normalized=False)
+        for token, kind_ in zip(tokens, types, strict=True)
+        if kind_ in (_CONTROL, _USER_DEFINED)
+    ]
+    tok.add_tokens(added)
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+        bos = tokens[bos_id]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+        )
+    return tok
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    """Encode, decode and the special tokens a server needs to know about."""
+
+    def __init__(self, tok: HFTokenizer, bos_token: str | None, eos_token: str | None,
+                 eos_token_ids: set[int]) -> None:
+        self._tok = tok
+        # A twin that reads special-token text as plain text: for user content inside a chat prompt.
+        self._plain = HFTokenizer.from_str(tok.to_str())
+        self._plain.encode_special_tokens = True
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.special_tokens = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+        specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        # End-of-generation ids: the declared eos plus every special end-of-turn token of the vocabulary.
+        self.eos_token_ids = eos_token_ids | {i for text, i in specials.items() if text in END_OF_TURN_TEXTS}
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any]) -> Tokenizer:
+        tokens = meta["tokenizer.ggml.tokens"]
+        bos_id = meta.get("tokenizer.ggml.bos_token_id")
+        eos_id = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            _from_gguf_metadata(meta),
+            bos_token=tokens[bos_id] if bos_id is not None else None,
+            eos_token=tokens[eos_id] if eos_id is not None else None,
+            eos_token_ids={eos_id} if eos_id is not None else set(),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> Tokenizer:
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise ModelFormatError(f"{folder} has no tokenizer.json")
+        tok = HFTokenizer.from_file(str(path))
+        cfg = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").exists() else {}
+        gen = read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
+        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        eos_ids = gen.get("eos_token_id", [])
+        eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
+        if eos is not None and tok.token_to_id(eos) is not None:
+            eos_ids.add(tok.token_to_id(eos))
+        return cls(tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Encode raw text; special-token text in it becomes control tokens (the completions API's prompt)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, prompt: str, user_texts: list[str]) -> list[int]:
+        """Encode a rendered chat prompt in which special-token text inside user_texts stays text.
+
+        Only texts that contain special-token text are cut out, so an ordinary prompt tokenizes exactly as the
+        model's reference tokenizer does.
+        """
+        risky = [t for t in user_texts if any(s in t for s in self.special_tokens)]
+        ids: list[int] = []
+        cursor = 0
+        for text in risky:
+            at = prompt.find(text, cursor)
+            if at < 0:
+                text = text.strip()
+                at = prompt.find(text, cursor)
+            if at < 0:
+                raise RequestError("a message holds special-token text that the chat template rewrites; "
+                                   "tokenmill refuses it rather than read it as control tokens", param="messages")
+            ids += self._tok.encode(prompt[cursor:at], add_special_tokens=False).ids
+            ids += self._plain.encode(text, add_special_tokens=False).ids
+            cursor = at + len(text)
+        return ids + self._tok.encode(prompt[cursor:], add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or ""
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The UTF-8 bytes a single token decodes to (OpenAI's logprobs `bytes`)."""
+        return list(self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8"))

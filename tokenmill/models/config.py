@@ -1,0 +1,26 @@
+"""The architecture of a decoder, independent of the file format it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q, k and v
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    # Per-frequency divisors of RoPE's inverse frequencies (Llama 3 scaling); GGUF stores them as the tensor
+    # rope_freqs, Hugging Face configs as rope_scaling parameters. None: no scaling.
+    rope_freq_factors: tuple[float, ...] | None = None
