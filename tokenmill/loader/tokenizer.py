@@ -70,7 +70,7 @@ def _from_gguf_metadata(meta: dict[str, Any]) -> HFTokenizer:
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
     if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=meta.get("tokenizer.ggml.pre") == "llama-bpe"))
         tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
         tok.decoder = decoders.ByteLevel()

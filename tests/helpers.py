@@ -1,0 +1,139 @@
+"""Shared test helpers: a tiny GGUF writer, running the engine without HTTP, an in-process server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import uvicorn
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+from tokenmill.api.app import create_app
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.loader import LoadedModel
+from tokenmill.sampling import SamplingParams
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _byte_to_unicode() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values (the alphabet of a byte-level BPE vocabulary)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def write_tiny_gguf(path: Path, chat_template: str | None = CHATML, architecture: str = "llama",
+                    qtype: GGMLQuantizationType = GGMLQuantizationType.F32, seed: int = 0) -> Path:
+    """A 2-layer random-weight Llama with a byte-level BPE vocabulary (256 bytes + 3 control tokens)."""
+    rng = np.random.default_rng(seed)
+    tokens = _byte_to_unicode() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types = [1] * 256 + [3, 3, 3]
+    hidden, ffn, heads, kv_heads, layers = 64, 256, 4, 2, 2
+    head_dim = hidden // heads
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(258)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+    def add(name: str, *shape: int, norm: bool = False) -> None:
+        data = (1.0 + 0.1 * rng.standard_normal(shape) if norm else 0.2 * rng.standard_normal(shape))
+        data = data.astype(np.float32)
+        if len(shape) == 2 and qtype != GGMLQuantizationType.F32 and shape[1] % GGML_QUANT_SIZES[qtype][0] == 0:
+            writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data)
+
+    add("token_embd.weight", len(tokens), hidden)
+    add("output_norm.weight", hidden, norm=True)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", hidden, norm=True)
+        add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
+        add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        add(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        add(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        add(f"blk.{i}.ffn_norm.weight", hidden, norm=True)
+        add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_down.weight", hidden, ffn)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+async def _generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    streams = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+
+    async def collect(stream) -> list[int]:
+        ids: list[int] = []
+        async for out in stream:
+            ids += out.token_ids
+        return ids
+
+    return list(await asyncio.gather(*(collect(s) for s in streams)))
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Submit several sequences at once (so they share engine steps) and return their token ids."""
+    return asyncio.run(_generate(engine, prompts, params))
+
+
+def start_engine(loaded: LoadedModel, **config) -> Engine:
+    engine = Engine(loaded, EngineConfig(**config))
+    engine.start()
+    return engine
+
+
+class ServerThread:
+    """uvicorn serving create_app(...) on a free loopback port, in this process."""
+
+    def __init__(self, loaded: LoadedModel, model_id: str, **engine_config) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.engine = Engine(loaded, EngineConfig(**engine_config))
+        app = create_app(self.engine, model_id)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
