@@ -104,7 +104,7 @@ def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
 
 
 def start_engine(loaded: LoadedModel, **config) -> Engine:
-    engine = Engine(loaded, EngineConfig(**config))
+    engine = Engine(EngineConfig(**config), loaded)
     engine.start()
     return engine
 
@@ -116,7 +116,7 @@ class ServerThread:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.engine = Engine(loaded, EngineConfig(**engine_config))
+        self.engine = Engine(EngineConfig(**engine_config), loaded)
         app = create_app(self.engine, model_id)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -44,20 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    import torch
     import uvicorn
 
     from tokenmill.api.app import create_app
     from tokenmill.engine.engine import Engine
-    from tokenmill.loader import load_model
 
-    if engine_config.threads:
-        torch.set_num_threads(engine_config.threads)
-    loaded = load_model(engine_config.model, engine_config.dtype, engine_config.device,
-                        engine_config.max_model_len)
-    engine = Engine(loaded, engine_config)
+    engine = Engine(engine_config)
+    engine.start()  # loads the model on the engine thread
     model_id = server_config.served_model_name or engine_config.model
-    app = create_app(engine, model_id, aliases={engine_config.model, str(loaded.path), loaded.path.name})
+    path = engine.loaded.path
+    app = create_app(engine, model_id, aliases={engine_config.model, str(path), path.name})
     logging.getLogger(__name__).info("serving %s on http://%s:%d/v1", model_id, server_config.host,
                                      server_config.port)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from gguf import GGMLQuantizationType
 from helpers import write_tiny_gguf
 

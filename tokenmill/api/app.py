@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.api import responses
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
-from tokenmill.api.sse import sse_event, sse_done
+from tokenmill.api.sse import sse_done, sse_event
 from tokenmill.engine.engine import Engine, RequestStream
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import RequestError

@@ -24,7 +24,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.errors import RequestError
-from tokenmill.loader import LoadedModel
+from tokenmill.loader import LoadedModel, load_model
 from tokenmill.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,26 +55,46 @@ class RequestStream:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        self.loaded = loaded
+    """Pass a LoadedModel, or let start() load config.model on the engine thread.
+
+    Loading on the engine thread matters on CPU: OpenMP runs matmuls markedly slower (measured 30-40%) in a
+    thread other than the first one that used it, so the thread that computes should be the one that loaded.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = loaded.max_model_len
-        self.kv_cache = ContiguousKVCache(loaded.config, loaded.dtype, loaded.device)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.kv_cache)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, config.seed)
+        self.loaded = loaded
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._seqs: dict[int, Sequence] = {}
-        self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
         self._stopping = False
+
+    def _setup(self) -> None:
+        if self.loaded is None:
+            c = self.config
+            if c.threads:
+                torch.set_num_threads(c.threads)
+            self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len)
+        loaded = self.loaded
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.kv_cache = ContiguousKVCache(loaded.config, loaded.dtype, loaded.device)
+        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens),
+                                   self.kv_cache)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, self.config.seed)
 
     # --- the asyncio side -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine thread and wait until it has its model; re-raise what went wrong loading it."""
         self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
 
     def stop(self) -> None:
         self._stopping = True
@@ -125,7 +145,14 @@ class Engine:
 
     # --- the engine thread ------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
+        try:
+            self._setup()
+        except BaseException as exc:  # handed to start(), which raises it in the caller's thread
+            self._start_error = exc
+            return
+        finally:
+            self._ready.set()
         while not self._stopping:
             # Block for news only when idle; otherwise take what has arrived and step.
             self._drain_inbox(block=not self.scheduler.has_work())

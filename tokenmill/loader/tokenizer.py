@@ -85,7 +85,9 @@ def _from_gguf_metadata(meta: dict[str, Any]) -> HFTokenizer:
         decode_steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         tok.decoder = decoders.Sequence(decode_steps + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
     else:
-        raise ModelFormatError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (BPE), llama (SentencePiece)")
+        raise ModelFormatError(
+            f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (BPE), llama (SentencePiece)"
+        )
     added = [
         AddedToken(token, special=kind_ == _CONTROL, normalized=False)
         for token, kind_ in zip(tokens, types, strict=True)
