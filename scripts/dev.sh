@@ -21,6 +21,6 @@ if [ ! -f "$stamp" ]; then
 fi
 case "$verb" in
   serve) exec "$venv/bin/tokenmill" serve "$@" ;;
-  test) exec "$py" -m pytest "$@" ;;
+  test) "$venv/bin/ruff" check tokenmill tests && exec "$py" -m pytest "$@" ;;
   *) echo "unknown verb $verb: use serve or test" >&2; exit 2 ;;
 esac

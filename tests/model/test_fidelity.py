@@ -24,8 +24,9 @@ def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     cache.allocate(0, len(ids))
     with torch.inference_mode():
         meta = AttentionMetadata([SequenceSlice(0, 0, len(ids))], cache)
-        hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), meta)
-        return loaded.model.compute_logits(hidden)
+        dev = loaded.device
+        hidden = loaded.model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), meta)
+        return loaded.model.compute_logits(hidden).cpu()
 
 
 def reference_greedy(model, ids: list[int], steps: int) -> list[int]:
@@ -87,11 +88,11 @@ def _configs():
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2", "llama3-rope"])
-def test_random_hf_model_matches_transformers(name: str, tmp_path: Path) -> None:
+def test_random_hf_model_matches_transformers(name: str, tmp_path: Path, device: str) -> None:
     config = _configs()[name]
     _save_random_hf_model(tmp_path, config)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
+    loaded = load_model(str(tmp_path), dtype="float32", device=device)
     assert loaded.config.qk_norm == (name == "qwen3")
     assert loaded.config.attention_bias == (name == "qwen2")
     assert (loaded.config.rope_freq_factors is not None) == (name == "llama3-rope")
