@@ -13,7 +13,6 @@ from helpers import write_tiny_gguf  # noqa: E402
 from tokenmill.loader import LoadedModel, load_model  # noqa: E402
 from tokenmill.loader.sources import pull  # noqa: E402
 
-
 # Tests run the model on the CPU; TOKENMILL_TEST_DEVICE=cuda runs the same checks on a GPU.
 DEVICE = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")
 
