@@ -22,8 +22,11 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[s
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):  # `int | None` -> int
             kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
-                            help=f"{f.metadata.get('help', '')} (default: %(default)s)")
+        flag, help_ = f"--{f.name.replace('_', '-')}", f"{f.metadata.get('help', '')} (default: %(default)s)"
+        if kind is bool:  # --flag / --no-flag
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, help=help_)
 
 
 def _pick(cls: type, args: argparse.Namespace) -> typing.Any:

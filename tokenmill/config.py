@@ -16,8 +16,16 @@ class EngineConfig:
                               "float16")
     device: str = _opt("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     max_model_len: int | None = _opt(None, "context length served (default: the model's, at most 8192)")
-    max_num_seqs: int = _opt(16, "sequences running at once")
-    max_num_batched_tokens: int = _opt(4096, "tokens one engine step may process (prefill chunks + decodes)")
+    max_num_seqs: int = _opt(64, "sequences running at once")
+    max_num_batched_tokens: int = _opt(2048, "tokens one engine step may process (prefill chunks + decodes)")
+    chunked_prefill: bool = _opt(True, "prefill long prompts in chunks that interleave with other users' decodes")
+    long_prefill_token_threshold: int = _opt(
+        64, "while others decode, a prompt prefills at most this many tokens a step (0: the whole budget)")
+    kv: str = _opt("paged", "KV memory layout: paged (a pool of fixed-size blocks) or contiguous (one buffer per "
+                            "sequence, reserved for its whole length)")
+    block_size: int = _opt(16, "tokens per KV block (paged)")
+    kv_cache_memory: str | None = _opt(None, "KV memory, e.g. 2GiB (default: 10%% of available RAM on CPU, 85%% of "
+                                             "free GPU memory on CUDA, at most what max-num-seqs full contexts need)")
     seed: int = _opt(0, "seed of the sampler for requests that give none")
     threads: int | None = _opt(None, "CPU threads for the model (default: torch's choice)")
 

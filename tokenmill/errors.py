@@ -22,3 +22,7 @@ class RequestError(TokenmillError):
         self.status = status
         self.code = code
         self.type = type
+
+
+class EngineError(TokenmillError):
+    """The engine failed a request (the model raised while running it): a 500, the server keeps serving."""

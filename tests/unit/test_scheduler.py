@@ -1,20 +1,35 @@
+"""The scheduling policy, without a model: admission by free blocks, chunked prefill, preemption and resume."""
+
 from __future__ import annotations
 
+import pytest
+
+from tokenmill.cache.block_pool import BlockPool
 from tokenmill.engine.request import Sequence, Status
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.sampling import SamplingParams
 
+BLOCK = 4
 
-class FakeKV:
-    def __init__(self) -> None:
-        self.held: dict[int, int] = {}
 
-    def allocate(self, seq_id: int, capacity: int) -> None:
-        assert seq_id not in self.held
-        self.held[seq_id] = capacity
+class BlockKV:
+    """The paged cache's bookkeeping over a real BlockPool, without tensors."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.tables: dict[int, list[int]] = {}
+
+    def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool:
+        table = self.tables.get(seq_id, [])
+        need = -(-num_tokens // BLOCK) - len(table)
+        if need > self.pool.num_free:
+            return False
+        self.tables[seq_id] = table + self.pool.allocate(max(need, 0))
+        return True
 
     def free(self, seq_id: int) -> None:
-        del self.held[seq_id]
+        for b in self.tables.pop(seq_id, []):
+            self.pool.free(b)
 
 
 def make(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
@@ -30,20 +45,28 @@ def run(plan) -> None:
             item.seq.output_ids.append(5)
 
 
-def test_admits_up_to_max_num_seqs_and_allocates_prompt_plus_max_tokens() -> None:
-    kv = FakeKV()
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), kv)
+def scheduler(num_blocks: int = 100, **config) -> tuple[Scheduler, BlockKV]:
+    kv = BlockKV(num_blocks)
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64)
+    return Scheduler(SchedulerConfig(**{**defaults, **config}), kv), kv
+
+
+def test_admits_by_free_blocks_and_seq_cap() -> None:
+    sched, kv = scheduler(num_blocks=6, max_num_seqs=2)
     for i in range(3):
-        sched.add(make(i, 10, max_tokens=6))
+        sched.add(make(i, 8))  # 2 blocks each
     plan = sched.schedule()
-    assert [(p.seq.seq_id, p.num_tokens) for p in plan] == [(0, 10), (1, 10)]
-    assert kv.held == {0: 16, 1: 16}
-    assert len(sched.waiting) == 1
+    assert [(p.seq.seq_id, p.num_tokens) for p in plan] == [(0, 8), (1, 8)]  # the cap of 2 sequences
+    assert kv.pool.num_used == 4 and len(sched.waiting) == 1
+    sched2, kv2 = scheduler(num_blocks=5)
+    for i in range(3):
+        sched2.add(make(i, 8))
+    assert [p.seq.seq_id for p in sched2.schedule()] == [0, 1]  # the third prompt's 2 blocks do not fit
+    assert sched2.waiting[0].seq_id == 2 and kv2.pool.num_free == 1
 
 
-def test_long_prompt_is_prefilled_in_chunks_beside_decodes() -> None:
-    kv = FakeKV()
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), kv)
+def test_long_prompt_is_chunked_beside_decodes_within_the_budget() -> None:
+    sched, _ = scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
     short = make(0, 4)
     sched.add(short)
     run(sched.schedule())
@@ -56,13 +79,56 @@ def test_long_prompt_is_prefilled_in_chunks_beside_decodes() -> None:
         assert plan[0].seq is short and plan[0].num_tokens == 1  # the decode is never starved
         chunks.append(next(p.num_tokens for p in plan if p.seq is long))
         run(plan)
-    assert chunks == [15, 15, 10]
-    assert long.output_ids == [5]
+    assert chunks == [6] * 6 + [4]  # capped at the threshold while short decodes
+    alone, _ = scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    lone = make(2, 40)
+    alone.add(lone)
+    chunks = []
+    while lone.num_computed_tokens < 40:
+        plan = alone.schedule()
+        chunks.append(plan[0].num_tokens)
+        run(plan)
+    assert chunks == [16, 16, 8]  # nobody decodes: the whole budget
 
 
-def test_finish_frees_memory_for_running_and_waiting() -> None:
-    kv = FakeKV()
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), kv)
+def test_without_chunked_prefill_a_prompt_runs_whole() -> None:
+    sched, _ = scheduler(max_num_batched_tokens=16, chunked_prefill=False)
+    sched.add(make(0, 10))
+    sched.add(make(1, 10))
+    assert [(p.seq.seq_id, p.num_tokens) for p in sched.schedule()] == [(0, 10)]  # the second does not fit
+    big, _ = scheduler(max_num_batched_tokens=16, chunked_prefill=False)
+    big.add(make(0, 40))
+    assert [p.num_tokens for p in big.schedule()] == [40]  # larger than the budget: runs alone, whole
+
+
+def test_preempts_the_newest_and_resumes_it_first() -> None:
+    sched, kv = scheduler(num_blocks=6)
+    seqs = [make(i, 7, max_tokens=8) for i in range(3)]  # 2 blocks each: the pool is full after admission
+    for s in seqs:
+        sched.add(s)
+    run(sched.schedule())
+    assert kv.pool.num_free == 0
+    late = make(3, 4)
+    sched.add(late)
+    run(sched.schedule())  # each needs an 8th token slot: still inside block 2
+    plan = sched.schedule()  # the 9th token needs a third block: the newest (2) is preempted
+    assert sched.num_preemptions >= 1
+    assert seqs[2].status == Status.WAITING and seqs[2].num_computed_tokens == 0
+    assert list(sched.waiting)[:2] == [seqs[2], late]  # preempted work resumes before new work
+    assert {p.seq.seq_id for p in plan} <= {0, 1}
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        run(sched.schedule())
+        for s in list(sched.running):
+            if len(s.output_ids) >= s.max_tokens:
+                sched.finish(s, "length")
+    assert all(len(s.output_ids) >= s.max_tokens for s in seqs)
+    assert kv.pool.num_free == 6 and kv.tables == {}
+
+
+def test_finish_frees_running_and_waiting() -> None:
+    sched, kv = scheduler(max_num_seqs=1)
     a, b = make(0, 4), make(1, 4)
     sched.add(a)
     sched.add(b)
@@ -70,5 +136,53 @@ def test_finish_frees_memory_for_running_and_waiting() -> None:
     sched.finish(b, "abort")
     sched.finish(a, "stop")
     sched.finish(a, "stop")  # idempotent
-    assert kv.held == {} and not sched.has_work()
+    assert kv.pool.num_used == 0 and not sched.has_work()
     assert a.status == b.status == Status.FINISHED and a.finish_reason == "stop"
+
+
+def test_a_failed_batch_is_rerun_one_sequence_at_a_time() -> None:
+    sched, kv = scheduler()
+    seqs = [make(i, 4) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    plan = sched.schedule()
+    sched.isolate([p.seq for p in plan])
+    assert kv.pool.num_used == 0
+    alone = sched.schedule()
+    assert len(alone) == 1 and alone[0].num_tokens == 4
+    run(alone)
+    sched.step_succeeded(alone)
+    sched.finish(sched.schedule()[0].seq, "error")  # the next suspect fails alone: only it is failed
+    rest = sched.schedule()
+    assert len(rest) == 1
+    run(rest)
+    sched.step_succeeded(rest)
+    assert not sched.isolated and len(sched.schedule()) == 2  # back to normal batching
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_block_pool_has_no_leak_or_double_free_under_random_cycles(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    pool = BlockPool(64)
+    held: dict[int, list[int]] = {}
+    for step in range(1000):
+        action = rng.random()
+        if action < 0.45 and pool.num_free:
+            held[step] = pool.allocate(rng.randint(1, min(4, pool.num_free)))
+        elif action < 0.75 and held:  # append: grow a holder by a block
+            key = rng.choice(list(held))
+            if pool.num_free:
+                held[key] += pool.allocate(1)
+        elif held:
+            for b in held.pop(rng.choice(list(held))):
+                pool.free(b)
+        owned = [b for blocks in held.values() for b in blocks]
+        assert len(owned) == len(set(owned)) == pool.num_used
+    for blocks in held.values():
+        for b in blocks:
+            pool.free(b)
+    assert pool.num_free == 64
+    with pytest.raises(ValueError):
+        pool.free(0)

@@ -16,7 +16,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.api import responses
@@ -24,7 +25,7 @@ from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.api.sse import sse_done, sse_event
 from tokenmill.engine.engine import Engine, RequestStream
 from tokenmill.engine.request import SequenceOutput
-from tokenmill.errors import RequestError
+from tokenmill.errors import EngineError, RequestError
 from tokenmill.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,10 @@ def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None) -
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(exc.status_code, str(exc.detail), type_)
 
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return _error(500, str(exc), "internal_error", code=500)
+
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
@@ -85,6 +90,10 @@ def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None) -
         if not engine.alive:
             return _error(503, "the engine is not running", "service_unavailable")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -184,7 +193,7 @@ async def _collect(streams: list[RequestStream]) -> list[list[SequenceOutput]]:
             s.abort()
     for outs in results:
         if outs and outs[-1].finish_reason == "error":
-            raise RuntimeError(outs[-1].error or "engine error")
+            raise EngineError(outs[-1].error or "internal error while running the model")
     return results
 
 

@@ -11,14 +11,16 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import AsyncIterator
 
 import torch
 
-from tokenmill.cache.kv_cache import ContiguousKVCache
+from tokenmill.cache.kv_cache import build_kv_cache
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogprob
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
@@ -71,6 +73,8 @@ class Engine:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._stopping = False
+        self.metrics = EngineMetrics()
+        self._preemptions_seen = 0
 
     def _setup(self) -> None:
         if self.loaded is None:
@@ -81,11 +85,16 @@ class Engine:
         loaded = self.loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
-        self.kv_cache = ContiguousKVCache(loaded.config, loaded.dtype, loaded.device)
-        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens),
-                                   self.kv_cache)
+        c = self.config
+        self.kv_cache = build_kv_cache(c.kv, c.kv_cache_memory, c.block_size, loaded.config, loaded.dtype,
+                                       loaded.device, c.max_num_seqs * loaded.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill,
+                            c.long_prefill_token_threshold),
+            self.kv_cache,
+        )
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, self.config.seed)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, c.seed)
 
     # --- the asyncio side -------------------------------------------------------------------------------
 
@@ -118,7 +127,15 @@ class Engine:
                 f"the length of the prompt or of the completion.",
                 param="max_tokens" if room >= 1 else "messages", code="context_length_exceeded",
             )
-        return room if max_tokens is None else max_tokens
+        max_tokens = room if max_tokens is None else max_tokens
+        if prompt_len + max_tokens > self.kv_cache.capacity_tokens:
+            raise RequestError(
+                f"This request needs KV memory for {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion), more than the server's whole KV cache holds "
+                f"({self.kv_cache.capacity_tokens} tokens). Please lower max_tokens.",
+                param="max_tokens", code="kv_cache_exceeded",
+            )
+        return max_tokens
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue one sequence; call from the event loop. Raises RequestError for what can never run."""
@@ -135,7 +152,7 @@ class Engine:
             seq_id=seq_id, prompt_ids=prompt_ids, params=params, max_tokens=max_tokens,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
                                                params.include_stop_str_in_output),
-            sink=stream.put, generator=generator,
+            sink=stream.put, generator=generator, arrival_time=time.perf_counter(),
         )
         self._inbox.put(("add", seq))
         return stream
@@ -160,6 +177,7 @@ class Engine:
                 break
             if self.scheduler.has_work():
                 self._step()
+            self._update_gauges()
         for seq in list(self._seqs.values()):
             self._finish(seq, "abort")
 
@@ -190,11 +208,15 @@ class Engine:
             logits, sampled = self.runner.execute(plan)
             tokens, logprobs = self.sampler(logits, sampled)
         except Exception:
-            # A failing step fails the sequences in it, not the server.
+            # A failing step fails the sequence that raises, not the server nor its batch neighbours: a batch
+            # that fails is rerun one sequence at a time to find it.
             log.error("engine step failed:\n%s", traceback.format_exc())
-            for item in plan:
-                self._finish(item.seq, "error", error="internal error while running the model")
+            if len(plan) == 1:
+                self._finish(plan[0].seq, "error", error="internal error while running the model")
+            else:
+                self.scheduler.isolate([item.seq for item in plan])
             return
+        self.scheduler.step_succeeded(plan)
         for item in plan:
             item.seq.num_computed_tokens += item.num_tokens
         for seq, token, logprob in zip(sampled, tokens, logprobs, strict=True):
@@ -202,7 +224,22 @@ class Engine:
         for seq in sampled:
             self._emit(seq)
 
+    def _update_gauges(self) -> None:
+        m, sched = self.metrics, self.scheduler
+        m.running.set(len(sched.running))
+        m.waiting.set(len(sched.waiting))
+        m.kv_usage.set(self.kv_cache.usage())
+        m.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = sched.num_preemptions
+
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        now = time.perf_counter()
+        if seq.output_ids:
+            self.metrics.itl.observe(now - seq.last_token_time)
+        else:
+            self.metrics.ttft.observe(now - seq.arrival_time)
+        seq.last_token_time = now
+        self.metrics.generation_tokens.inc()
         seq.output_ids.append(token)
         seq.pending_ids.append(token)
         if logprob is not None:
@@ -236,4 +273,5 @@ class Engine:
             return
         self.scheduler.finish(seq, reason)
         self._seqs.pop(seq.seq_id, None)
+        self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
         self._send(seq, reason, error)

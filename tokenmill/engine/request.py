@@ -48,6 +48,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     sink: Callable[[SequenceOutput], None]  # called on the engine thread; must be thread-safe
     generator: torch.Generator | None = None  # seeded requests sample from their own stream
+    arrival_time: float = 0.0  # perf_counter() at submit, for time to first token
+    last_token_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache: the single measure of progress
     status: Status = Status.WAITING

@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.cache.kv_cache import ContiguousKVCache
+from tokenmill.cache.kv_cache import KVCache, SequenceSlice
 from tokenmill.engine.request import Sequence
 from tokenmill.engine.scheduler import ScheduledSequence
-from tokenmill.layers.attention import AttentionMetadata, SequenceSlice
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: ContiguousKVCache, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -36,6 +35,6 @@ class ModelRunner:
                 sampled.append(seq)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, AttentionMetadata(slices, self.kv_cache))
+        hidden = self.model(ids, pos, self.kv_cache.prepare(slices))
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), sampled

@@ -35,12 +35,15 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [rows, vocab] fp32, one row per sequence -> sampled ids and (where asked) their logprobs."""
-        raw = logits
-        logits = self._apply_penalties_and_bias(logits.clone(), seqs)
+        """logits: [rows, vocab] fp32, one row per sequence, consumed (modified in place) -> sampled ids and
+        (where asked) their logprobs."""
+        wants_logprobs = any(s.params.logprobs is not None for s in seqs)
+        raw = logits.clone() if wants_logprobs else logits  # sampling works in place
+        logits = self._apply_penalties_and_bias(logits, seqs)
         tokens = self._sample(logits, seqs)
-        return tokens.tolist(), self._logprobs(raw, tokens, seqs)
+        return tokens.tolist(), self._logprobs(raw, tokens, seqs) if wants_logprobs else [None] * len(seqs)
 
     def _apply_penalties_and_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, vocab = logits.shape
@@ -72,9 +75,10 @@ class Sampler:
         dev = logits.device
         temperature = torch.tensor([s.params.temperature for s in seqs], device=dev)
         greedy = temperature == 0
+        argmax = logits.argmax(dim=-1)
         if bool(greedy.all()):
-            return logits.argmax(dim=-1)
-        logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
+            return argmax
+        logits.div_(torch.where(greedy, 1.0, temperature)[:, None])
         top_k = [s.params.top_k for s in seqs]
         top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
         min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
@@ -92,12 +96,12 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0)
-        # Exponential race (argmax of p / E, E ~ Exp(1)) draws from p, with each row's noise from its own stream.
-        noise = torch.empty_like(probs)
-        for i, seq in enumerate(seqs):
-            noise[i].exponential_(generator=seq.generator or self.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        # Inverse-CDF sampling: one uniform number per row, drawn from the row's own stream (its seed) so a
+        # request's tokens do not depend on its batch neighbours; far cheaper than vocabulary-sized noise.
+        uniform = torch.cat([torch.rand(1, generator=s.generator or self.generator, device=dev) for s in seqs])
+        cdf = probs.cumsum_(dim=-1)
+        sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=vocab - 1)
+        return torch.where(greedy, argmax, sampled)
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob | None]:
         wanted = [s.params.logprobs for s in seqs]

@@ -1,6 +1,8 @@
-"""Decides each step's work: which sequences decode, which prompts (or prompt chunks) prefill, who is admitted.
+"""Decides each step's work: which sequences decode, which prompt chunks prefill, who is admitted or preempted.
 
-A pure policy over the queues and the KV cache's bookkeeping; it never touches a tensor.
+A pure policy over the queues and the KV cache's bookkeeping (reserve/free); it never touches a tensor. Progress is
+one number per sequence, num_computed_tokens: prefill, chunked prefill and recompute after preemption are all
+"run the tokens from num_computed_tokens on".
 """
 
 from __future__ import annotations
@@ -22,21 +24,28 @@ class ScheduledSequence:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    chunked_prefill: bool = True
+    # While other sequences decode, a prefill runs at most this many tokens a step, so the decodes' step time
+    # (their inter-token latency) stays low. 0: no cap beyond the token budget.
+    long_prefill_token_threshold: int = 0
 
 
-class KVAllocator(Protocol):
-    """What the scheduler needs from KV memory: room for a sequence, and giving it back."""
+class KVReserver(Protocol):
+    """What the scheduler needs from KV memory."""
 
-    def allocate(self, seq_id: int, capacity: int) -> None: ...
+    def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool: ...
     def free(self, seq_id: int) -> None: ...
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVReserver) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+        # Sequences whose batch failed: each runs alone until one of its steps succeeds, to find the culprit.
+        self.isolated: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -44,25 +53,97 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _final_len(self, seq: Sequence) -> int:
+        return len(seq.prompt_ids) + seq.max_tokens
+
+    def _chunk(self, seq: Sequence, budget: int, decoding: bool) -> int:
+        """Tokens of seq to run now: 1 when decoding, else the next prompt chunk that the budget allows."""
+        todo = seq.num_tokens - seq.num_computed_tokens
+        if todo == 1:
+            return 1
+        if not self.config.chunked_prefill:
+            # Whole prompts only; one larger than the budget runs when it would be first in the step.
+            return todo if todo <= budget or budget == self.config.max_num_batched_tokens else 0
+        cap = self.config.long_prefill_token_threshold
+        if decoding and cap:
+            budget = min(budget, cap)
+        return min(todo, budget)
+
+    def _evict(self, seq: Sequence) -> None:
+        """Free a running sequence's KV; it recomputes from scratch and resumes before anyone new."""
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._evict(seq)
+        self.num_preemptions += 1
+
     def schedule(self) -> list[ScheduledSequence]:
-        """Running sequences first (decode, or the next chunk of their prompt), then admit waiting ones."""
+        if self.isolated:
+            return self._schedule_isolated()
         budget = self.config.max_num_batched_tokens
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         plan: list[ScheduledSequence] = []
-        for seq in self.running:
+        preempted = False
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(seq, budget, decoding)
+            if n == 0:
+                continue
+            # Out of blocks: preempt the newest running sequence until this one fits (or is itself the newest).
+            while not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, self._final_len(seq)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != Status.RUNNING:
+                continue
+            plan.append(ScheduledSequence(seq, n))
+            budget -= n
             if budget == 0:
                 break
-            todo = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            plan.append(ScheduledSequence(seq, todo))
-            budget -= todo
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.popleft()
-            self.kv.allocate(seq.seq_id, len(seq.prompt_ids) + seq.max_tokens)
+        # Admit only when nothing had to be preempted: memory is short this step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget, decoding or bool(plan))
+            if n == 0 or not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, self._final_len(seq)):
+                break
+            self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            todo = min(len(seq.prompt_ids), budget)
-            plan.append(ScheduledSequence(seq, todo))
-            budget -= todo
+            plan.append(ScheduledSequence(seq, n))
+            budget -= n
+        # Decodes lead the flat batch: the runner and attention treat them as one group.
+        plan.sort(key=lambda item: item.num_tokens > 1)
         return plan
+
+    def _schedule_isolated(self) -> list[ScheduledSequence]:
+        """One suspect alone, all its remaining tokens in one step."""
+        seq = self.isolated[0]
+        if seq.status == Status.WAITING:
+            if not self.kv.reserve(seq.seq_id, seq.num_tokens, self._final_len(seq)):
+                self.isolated.clear()  # no room to run it alone: back to normal scheduling
+                return self.schedule()
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        return [ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens)]
+
+    def isolate(self, seqs: list[Sequence]) -> None:
+        """After a failed batch: drop the sequences' KV and rerun each alone, to fail only the one that raises."""
+        for seq in seqs:
+            if seq.status == Status.RUNNING:
+                self._evict(seq)
+            self.isolated.append(seq)
+
+    def step_succeeded(self, plan: list[ScheduledSequence]) -> None:
+        if self.isolated and plan and plan[0].seq is self.isolated[0]:
+            self.isolated.popleft()
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (done, aborted or failed) and give back its KV memory."""
@@ -73,5 +154,7 @@ class Scheduler:
             self.kv.free(seq.seq_id)
         else:
             self.waiting.remove(seq)
+        if seq in self.isolated:
+            self.isolated.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

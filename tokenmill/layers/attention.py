@@ -1,44 +1,76 @@
-"""Attention over the KV cache for a flat batch of tokens from several sequences (ragged lengths)."""
+"""Attention over the KV cache for a flat batch of tokens from several sequences (ragged lengths).
+
+Paged: all decoding sequences attend in one batched SDPA call over their gathered blocks (a key mask hides the
+padding); each prefill chunk attends on its own, causal within the chunk, seeing every earlier token.
+Contiguous: every sequence attends on its own over its buffer.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.cache.kv_cache import ContiguousKVCache
+from tokenmill.cache.kv_cache import AttentionMetadata, ContiguousMetadata, PagedMetadata
 
 
-@dataclass
-class SequenceSlice:
-    seq_id: int
-    start: int  # tokens of this sequence already in the cache (its first new token's position)
-    num_tokens: int  # new tokens of this sequence in the flat batch
+def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                 scale: float) -> torch.Tensor:
+    """q: [n, heads, dim] at positions start..start+n-1; keys/values: [start + n, kv heads, dim]."""
+    n = q.shape[0]
+    mask = None
+    if n > 1:
+        query_pos = torch.arange(start, start + n, device=q.device)
+        mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= query_pos[:, None]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=True,
+    ).transpose(0, 1)
 
 
-@dataclass
-class AttentionMetadata:
-    slices: list[SequenceSlice]
-    kv_cache: ContiguousKVCache
+def _paged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+           scale: float) -> torch.Tensor:
+    cache = meta.cache
+    k_cache, v_cache = cache.k[layer], cache.v[layer]  # [blocks, block size, kv heads, dim]
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    b = meta.num_decodes
+    if b:
+        # index_select, not advanced indexing: 2.5x faster for this gather on CPU (measured)
+        keys = k_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim).transpose(1, 2)
+        values = v_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim).transpose(1, 2)
+        out[:b] = F.scaled_dot_product_attention(
+            q[:b].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True,
+        ).squeeze(2)
+    row = b
+    for s, table in meta.prefills:
+        end = s.start + s.num_tokens
+        keys = k_cache.index_select(0, table).view(-1, kv_heads, dim)[:end]
+        values = v_cache.index_select(0, table).view(-1, kv_heads, dim)[:end]
+        out[row:row + s.num_tokens] = _causal_sdpa(q[row:row + s.num_tokens], keys, values, s.start, scale)
+        row += s.num_tokens
+    return out
+
+
+def _contiguous(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ContiguousMetadata,
+                scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    row = 0
+    for s in meta.slices:
+        rows = slice(row, row + s.num_tokens)
+        buf = meta.cache.buffers[s.seq_id][layer]
+        end = s.start + s.num_tokens
+        buf[0, s.start:end] = k[rows]
+        buf[1, s.start:end] = v[rows]
+        out[rows] = _causal_sdpa(q[rows], buf[0, :end], buf[1, :end], s.start, scale)
+        row += s.num_tokens
+    return out
 
 
 def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
               scale: float) -> torch.Tensor:
-    """q: [tokens, heads, dim]; k, v: [tokens, kv heads, dim] -> [tokens, heads, dim]."""
-    out = torch.empty_like(q)
-    offset = 0
-    for s in meta.slices:
-        rows = slice(offset, offset + s.num_tokens)
-        keys, values = meta.kv_cache.write_and_read(layer, s.seq_id, s.start, k[rows], v[rows])
-        mask = None
-        if s.num_tokens > 1:
-            # Causal within the new tokens; every earlier token of the sequence is visible.
-            query_pos = torch.arange(s.start, s.start + s.num_tokens, device=q.device)
-            mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= query_pos[:, None]
-        out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=True,
-        ).transpose(0, 1)
-        offset += s.num_tokens
-    return out
+    """q: [tokens, heads, dim]; k, v: [tokens, kv heads, dim] (this step's new tokens) -> [tokens, heads, dim]."""
+    if isinstance(meta, PagedMetadata):
+        return _paged(layer, q, k, v, meta, scale)
+    return _contiguous(layer, q, k, v, meta, scale)

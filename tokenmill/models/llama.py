@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.cache.kv_cache import AttentionMetadata
 from tokenmill.errors import ModelFormatError
-from tokenmill.layers.attention import AttentionMetadata, attention
+from tokenmill.layers.attention import attention
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.config import ModelConfig
 
 
@@ -35,7 +36,7 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -44,7 +45,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q), rotary(positions, k)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = attention(self.layer, q, k, v, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -69,9 +70,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -85,8 +86,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
 

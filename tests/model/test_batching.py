@@ -1,0 +1,100 @@
+"""Continuous batching on the real model: a request's tokens do not depend on its batch, its layout or preemption."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import generate, start_engine
+
+from tokenmill.loader import LoadedModel
+from tokenmill.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The history of the printing press begins",
+    "List five fruits:",
+    "def fibonacci(n):",
+    "Once upon a time, in a kingdom far away, there lived a young princess who loved to read books about "
+    "dragons, knights and distant lands. Every evening she would",
+    "Translate to French: Good morning, how are you?",
+    "The three laws of thermodynamics are",
+    "Q: What is the boiling point of water?\nA:",
+    "Roses are red, violets are blue,",
+]
+TOKENS = 24
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm: LoadedModel) -> list[list[int]]:
+    return [smollm.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def alone(smollm: LoadedModel, prompt_ids: list[list[int]]) -> list[list[int]]:
+    engine = start_engine(smollm)
+    try:
+        return [generate(engine, [ids], [greedy()])[0] for ids in prompt_ids]
+    finally:
+        engine.stop()
+
+
+def run_batch(smollm: LoadedModel, prompt_ids: list[list[int]], params=None, **config) -> list[list[int]]:
+    engine = start_engine(smollm, **config)
+    try:
+        return generate(engine, prompt_ids, params or [greedy() for _ in prompt_ids])
+    finally:
+        assert engine.kv_cache.num_sequences == 0
+        engine.stop()
+
+
+def test_greedy_alone_equals_greedy_in_a_mixed_batch(smollm, prompt_ids, alone) -> None:
+    # A small budget: long prompts prefill in chunks while the short ones already decode.
+    batched = run_batch(smollm, prompt_ids, max_num_batched_tokens=24, long_prefill_token_threshold=8)
+    assert batched == alone
+
+
+def test_contiguous_kv_gives_the_same_tokens(smollm, prompt_ids, alone) -> None:
+    assert run_batch(smollm, prompt_ids, kv="contiguous") == alone
+
+
+def test_preemption_recomputes_to_the_same_tokens(smollm, prompt_ids, alone) -> None:
+    # KV memory for ~10 blocks of 16 tokens: eight sequences of up to ~70 tokens must take turns.
+    engine = start_engine(smollm, kv_cache_memory=str(10 * 16 * 46080), block_size=16)
+    try:
+        assert generate(engine, prompt_ids, [greedy() for _ in prompt_ids]) == alone
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv_cache.pool.num_used == 0
+    finally:
+        engine.stop()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(smollm, prompt_ids) -> None:
+    params = [SamplingParams(max_tokens=TOKENS, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompt_ids))]
+    solo = run_batch(smollm, prompt_ids[:1], params[:1])
+    assert run_batch(smollm, prompt_ids, params)[0] == solo[0]
+
+
+def test_a_request_that_raises_fails_alone(smollm, prompt_ids, monkeypatch) -> None:
+    engine = start_engine(smollm)
+    sampler = engine.sampler
+
+    def flaky(logits, seqs):
+        if any(s.params.seed == 666 for s in seqs):
+            raise RuntimeError("boom")
+        return sampler(logits, seqs)
+
+    monkeypatch.setattr(engine, "sampler", flaky)
+    try:
+        params = [greedy() for _ in prompt_ids]
+        params[3] = SamplingParams(max_tokens=TOKENS, seed=666)
+        outs = generate(engine, prompt_ids, params)
+        assert outs[3] == [] and all(len(o) == TOKENS for i, o in enumerate(outs) if i != 3)
+        assert engine.kv_cache.pool.num_used == 0
+        assert generate(engine, prompt_ids[:1], [greedy()])[0]  # still serving
+    finally:
+        engine.stop()

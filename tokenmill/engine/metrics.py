@@ -1,0 +1,27 @@
+"""Prometheus metrics, named like vLLM's (`vllm:` becomes `tokenmill:`). One registry per engine, no globals."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("tokenmill:num_requests_running", "Sequences in the running batch.", registry=r)
+        self.waiting = Gauge("tokenmill:num_requests_waiting", "Sequences waiting to be admitted.", registry=r)
+        self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc",
+                              "Share of KV memory held by live requests (0 to 1).", registry=r)
+        self.preemptions = Counter("tokenmill:num_preemptions", "Sequences preempted for KV memory.", registry=r)
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between successive tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
