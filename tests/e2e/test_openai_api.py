@@ -182,3 +182,18 @@ def test_disconnected_stream_frees_its_sequence(client: openai.OpenAI, server: S
     while server.engine.kv_cache.num_sequences and time.time() < deadline:
         time.sleep(0.05)
     assert server.engine.kv_cache.num_sequences == 0
+    assert server.engine.kv_cache.pool.num_used == 0
+
+
+def test_metrics(client: openai.OpenAI, server: ServerThread) -> None:
+    client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=5)
+    time.sleep(0.6)  # the idle engine loop refreshes its gauges at least every 0.5 s
+    text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("tokenmill:")}
+    assert values["tokenmill:num_requests_running"] == 0 and values["tokenmill:num_requests_waiting"] == 0
+    assert values["tokenmill:kv_cache_usage_perc"] == 0
+    assert values["tokenmill:generation_tokens_total"] >= 5 and values["tokenmill:prompt_tokens_total"] > 0
+    assert values["tokenmill:time_to_first_token_seconds_count"] >= 1
+    assert values["tokenmill:inter_token_latency_seconds_count"] >= 4
+    assert "tokenmill:num_preemptions_total" in values

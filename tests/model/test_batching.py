@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import generate, start_engine
 
+from tokenmill.errors import RequestError
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
 
@@ -96,5 +97,17 @@ def test_a_request_that_raises_fails_alone(smollm, prompt_ids, monkeypatch) -> N
         assert outs[3] == [] and all(len(o) == TOKENS for i, o in enumerate(outs) if i != 3)
         assert engine.kv_cache.pool.num_used == 0
         assert generate(engine, prompt_ids[:1], [greedy()])[0]  # still serving
+    finally:
+        engine.stop()
+
+
+def test_a_request_that_can_never_fit_is_refused_before_it_queues(smollm, prompt_ids) -> None:
+    engine = start_engine(smollm, kv_cache_memory=str(4 * 16 * 46080), block_size=16)  # 64 tokens in all
+    try:
+        with pytest.raises(RequestError, match="64 tokens"):
+            engine.submit(prompt_ids[3], SamplingParams(max_tokens=40))
+        with pytest.raises(RequestError, match="maximum context length"):
+            engine.submit(prompt_ids[0], SamplingParams(max_tokens=9000))
+        assert generate(engine, [prompt_ids[1]], [greedy()])[0]  # what fits still runs
     finally:
         engine.stop()
