@@ -103,6 +103,14 @@ def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
     return asyncio.run(_generate(engine, prompts, params))
 
 
+def assert_no_live_blocks(engine: Engine) -> None:
+    """No request holds a block, and every block is free or owned by the prefix cache (nothing leaked)."""
+    kv = engine.kv_cache
+    assert kv.usage() == 0 and kv.num_sequences == 0
+    cached = kv.prefix_cache.num_blocks if kv.prefix_cache is not None else 0
+    assert kv.pool.num_free + cached == kv.pool.num_blocks
+
+
 def start_engine(loaded: LoadedModel, **config) -> Engine:
     engine = Engine(EngineConfig(**config), loaded)
     engine.start()

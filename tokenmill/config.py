@@ -24,6 +24,7 @@ class EngineConfig:
     kv: str = _opt("paged", "KV memory layout: paged (a pool of fixed-size blocks) or contiguous (one buffer per "
                             "sequence, reserved for its whole length)")
     block_size: int = _opt(16, "tokens per KV block (paged)")
+    prefix_caching: bool = _opt(True, "share the KV of prompt prefixes computed before (radix tree over blocks)")
     kv_cache_memory: str | None = _opt(None, "KV memory, e.g. 2GiB (default: 10%% of available RAM on CPU, 85%% of "
                                              "free GPU memory on CUDA, at most what max-num-seqs full contexts need)")
     seed: int = _opt(0, "seed of the sampler for requests that give none")

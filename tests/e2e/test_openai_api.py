@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import ServerThread
+from helpers import ServerThread, assert_no_live_blocks
 
 from tokenmill.loader import LoadedModel
 
@@ -182,7 +182,7 @@ def test_disconnected_stream_frees_its_sequence(client: openai.OpenAI, server: S
     while server.engine.kv_cache.num_sequences and time.time() < deadline:
         time.sleep(0.05)
     assert server.engine.kv_cache.num_sequences == 0
-    assert server.engine.kv_cache.pool.num_used == 0
+    assert_no_live_blocks(server.engine)
 
 
 def test_metrics(client: openai.OpenAI, server: ServerThread) -> None:

@@ -31,16 +31,22 @@ class BlockKV:
         for b in self.tables.pop(seq_id, []):
             self.pool.free(b)
 
+    def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
+        return 0
+
+    def cache(self, seq_id: int, tokens: list[int]) -> None:
+        pass
+
 
 def make(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
     return Sequence(seq_id=seq_id, prompt_ids=[1] * prompt_len, params=SamplingParams(), max_tokens=max_tokens,
                     detokenizer=None, sink=lambda _: None)
 
 
-def run(plan) -> None:
-    """What the engine does after a step: progress, and a token for whoever reached the end."""
+def run(sched: Scheduler, plan) -> None:
+    """What the engine does after a successful step: progress, and a token for whoever reached the end."""
+    sched.step_succeeded(plan)
     for item in plan:
-        item.seq.num_computed_tokens += item.num_tokens
         if item.seq.num_computed_tokens == item.seq.num_tokens:
             item.seq.output_ids.append(5)
 
@@ -69,7 +75,7 @@ def test_long_prompt_is_chunked_beside_decodes_within_the_budget() -> None:
     sched, _ = scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
     short = make(0, 4)
     sched.add(short)
-    run(sched.schedule())
+    run(sched, sched.schedule())
     long = make(1, 40)
     sched.add(long)
     chunks = []
@@ -78,7 +84,7 @@ def test_long_prompt_is_chunked_beside_decodes_within_the_budget() -> None:
         assert sum(p.num_tokens for p in plan) <= 16
         assert plan[0].seq is short and plan[0].num_tokens == 1  # the decode is never starved
         chunks.append(next(p.num_tokens for p in plan if p.seq is long))
-        run(plan)
+        run(sched, plan)
     assert chunks == [6] * 6 + [4]  # capped at the threshold while short decodes
     alone, _ = scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
     lone = make(2, 40)
@@ -87,7 +93,7 @@ def test_long_prompt_is_chunked_beside_decodes_within_the_budget() -> None:
     while lone.num_computed_tokens < 40:
         plan = alone.schedule()
         chunks.append(plan[0].num_tokens)
-        run(plan)
+        run(alone, plan)
     assert chunks == [16, 16, 8]  # nobody decodes: the whole budget
 
 
@@ -106,11 +112,11 @@ def test_preempts_the_newest_and_resumes_it_first() -> None:
     seqs = [make(i, 7, max_tokens=8) for i in range(3)]  # 2 blocks each: the pool is full after admission
     for s in seqs:
         sched.add(s)
-    run(sched.schedule())
+    run(sched, sched.schedule())
     assert kv.pool.num_free == 0
     late = make(3, 4)
     sched.add(late)
-    run(sched.schedule())  # each needs an 8th token slot: still inside block 2
+    run(sched, sched.schedule())  # each needs an 8th token slot: still inside block 2
     plan = sched.schedule()  # the 9th token needs a third block: the newest (2) is preempted
     assert sched.num_preemptions >= 1
     assert seqs[2].status == Status.WAITING and seqs[2].num_computed_tokens == 0
@@ -119,7 +125,7 @@ def test_preempts_the_newest_and_resumes_it_first() -> None:
     for _ in range(200):
         if not sched.has_work():
             break
-        run(sched.schedule())
+        run(sched, sched.schedule())
         for s in list(sched.running):
             if len(s.output_ids) >= s.max_tokens:
                 sched.finish(s, "length")
@@ -150,13 +156,11 @@ def test_a_failed_batch_is_rerun_one_sequence_at_a_time() -> None:
     assert kv.pool.num_used == 0
     alone = sched.schedule()
     assert len(alone) == 1 and alone[0].num_tokens == 4
-    run(alone)
-    sched.step_succeeded(alone)
+    run(sched, alone)
     sched.finish(sched.schedule()[0].seq, "error")  # the next suspect fails alone: only it is failed
     rest = sched.schedule()
     assert len(rest) == 1
-    run(rest)
-    sched.step_succeeded(rest)
+    run(sched, rest)
     assert not sched.isolated and len(sched.schedule()) == 2  # back to normal batching
 
 

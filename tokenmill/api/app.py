@@ -114,7 +114,7 @@ def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None) -
         tk = engine.tokenizer
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = responses.chat_chunks(request_id, model_id, len(prompt_ids), include_usage, tk,
+            chunks = responses.chat_chunks(request_id, model_id, len(prompt_ids), include_usage, body.n, tk,
                                            _merge(streams))
             return _sse_response(chunks, streams)
         results = await _collect(streams)
@@ -135,12 +135,12 @@ def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None) -
         prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = responses.completion_chunks(request_id, model_id, prompt_tokens, include_usage, tk,
+            chunks = responses.completion_chunks(request_id, model_id, prompt_tokens, include_usage, body.n, tk,
                                                  _merge(streams))
             return _sse_response(chunks, streams)
         results = await _collect(streams)
         echoes = [tk.decode(p) if body.echo else "" for p in prompts for _ in range(body.n)]
-        return responses.completion(request_id, model_id, prompt_tokens, results, echoes, tk)
+        return responses.completion(request_id, model_id, prompt_tokens, results, echoes, body.n, tk)
 
     return app
 

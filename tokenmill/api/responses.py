@@ -10,9 +10,10 @@ from tokenmill.engine.request import SequenceOutput, TokenLogprob
 from tokenmill.loader.tokenizer import Tokenizer
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _token_text(tk: Tokenizer, token_id: int) -> str:
@@ -49,6 +50,11 @@ def _joined(outs: list[SequenceOutput]) -> tuple[str, list[TokenLogprob], str | 
     return text, logprobs, last.finish_reason, last.completion_tokens
 
 
+def _cached(cached_by_choice: dict[int, int], n: int) -> int:
+    """Prompt tokens served from the prefix cache, counted like prompt_tokens: once per prompt (its first choice)."""
+    return sum(cached for index, cached in cached_by_choice.items() if index % n == 0)
+
+
 def chat_completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
                     tk: Tokenizer) -> dict[str, Any]:
     choices, completion_tokens = [], 0
@@ -61,12 +67,13 @@ def chat_completion(request_id: str, model: str, prompt_tokens: int, results: li
             "logprobs": {"content": chat_logprobs(tk, logprobs)} if logprobs else None,
             "finish_reason": finish,
         })
+    cached = results[0][-1].cached_tokens
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
 
 def completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
-               echoes: list[str], tk: Tokenizer) -> dict[str, Any]:
+               echoes: list[str], n: int, tk: Tokenizer) -> dict[str, Any]:
     choices, completion_tokens = [], 0
     for index, (outs, echo) in enumerate(zip(results, echoes, strict=True)):
         text, logprobs, finish, n_tokens = _joined(outs)
@@ -76,8 +83,9 @@ def completion(request_id: str, model: str, prompt_tokens: int, results: list[li
             "logprobs": completion_logprobs(tk, logprobs) if logprobs else None,
             "finish_reason": finish,
         })
+    cached = _cached({i: outs[-1].cached_tokens for i, outs in enumerate(results)}, n)
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
 
 def _chunker(request_id: str, object_: str, model: str,
@@ -99,12 +107,14 @@ def _stream_error(out: SequenceOutput) -> dict[str, Any]:
                       "code": 500}}
 
 
-async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, tk: Tokenizer,
-                      outputs: AsyncIterator[tuple[int, SequenceOutput]]) -> AsyncIterator[dict[str, Any]]:
+async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,
+                      tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]]
+                      ) -> AsyncIterator[dict[str, Any]]:
     chunk = _chunker(request_id, "chat.completion.chunk", model, include_usage)
 
     started: set[int] = set()
     completion_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
     async for index, out in outputs:
         if out.finish_reason == "error":
             yield _stream_error(out)
@@ -114,6 +124,7 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         completion_tokens[index] = out.completion_tokens
+        cached[index] = out.cached_tokens
         if out.text or out.logprobs:
             logprobs = {"content": chat_logprobs(tk, out.logprobs)} if out.logprobs else None
             yield chunk([{"index": index, "delta": {"content": out.text}, "logprobs": logprobs,
@@ -121,21 +132,23 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
         if out.finish_reason is not None:
             yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
     if include_usage:
-        yield {**chunk([]), "usage": _usage(prompt_tokens, sum(completion_tokens.values()))}
+        yield {**chunk([]), "usage": _usage(prompt_tokens, sum(completion_tokens.values()), _cached(cached, n))}
 
 
-async def completion_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool,
+async def completion_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,
                             tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]]
                             ) -> AsyncIterator[dict[str, Any]]:
     chunk = _chunker(request_id, "text_completion", model, include_usage)
 
     completion_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
     text_offsets: dict[int, int] = {}
     async for index, out in outputs:
         if out.finish_reason == "error":
             yield _stream_error(out)
             return
         completion_tokens[index] = out.completion_tokens
+        cached[index] = out.cached_tokens
         if out.text or out.logprobs or out.finish_reason is not None:
             start = text_offsets.get(index, 0)
             text_offsets[index] = start + len(out.text)
@@ -143,4 +156,4 @@ async def completion_chunks(request_id: str, model: str, prompt_tokens: int, inc
             yield chunk([{"index": index, "text": out.text, "logprobs": logprobs,
                           "finish_reason": out.finish_reason}])
     if include_usage:
-        yield {**chunk([]), "usage": _usage(prompt_tokens, sum(completion_tokens.values()))}
+        yield {**chunk([]), "usage": _usage(prompt_tokens, sum(completion_tokens.values()), _cached(cached, n))}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.cache.block_pool import BlockPool
+from tokenmill.cache.prefix_cache import RadixCache
 from tokenmill.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class PagedMetadata:
 
 class PagedKVCache:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
-                 block_size: int) -> None:
+                 block_size: int, prefix_caching: bool = False) -> None:
         self.block_size = block_size
         # Block 0 is the null block: never allocated, always zero, the padding of decode block tables. Masked
         # keys get zero attention weight, but 0 * NaN is NaN, so padding must never hold a stray NaN.
@@ -57,6 +58,7 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.device = device
         self.tables: dict[int, list[int]] = {}
+        self.prefix_cache = RadixCache(self.pool, block_size) if prefix_caching else None
 
     @property
     def capacity_tokens(self) -> int:
@@ -67,7 +69,9 @@ class PagedKVCache:
         return len(self.tables)
 
     def usage(self) -> float:
-        return self.pool.num_used / self.pool.num_blocks
+        """Share of blocks held by live requests (blocks only the prefix cache holds are free to evict)."""
+        live = {block for table in self.tables.values() for block in table}
+        return len(live) / self.pool.num_blocks
 
     def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool:
         """Make room for the sequence's first num_tokens tokens; False (and nothing taken) if the pool is short."""
@@ -75,10 +79,29 @@ class PagedKVCache:
         need = -(-num_tokens // self.block_size) - len(table)
         if need <= 0:
             return True
+        if need > self.pool.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(need - self.pool.num_free)
         if need > self.pool.num_free:
             return False
         self.tables[seq_id] = table + self.pool.allocate(need)
         return True
+
+    def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
+        """On admission: share the longest cached prefix (whole blocks, never the last token, whose logits are
+        needed); returns how many tokens it covers."""
+        if self.prefix_cache is None or self.tables.get(seq_id):
+            return 0
+        usable = (len(tokens) - 1) // self.block_size * self.block_size
+        blocks = self.prefix_cache.match(tokens[:usable])
+        for block in blocks:
+            self.pool.ref(block)
+        self.tables[seq_id] = blocks
+        return len(blocks) * self.block_size
+
+    def cache(self, seq_id: int, tokens: list[int]) -> None:
+        """Offer a sequence's computed tokens to the prefix cache (their full blocks become shareable)."""
+        if self.prefix_cache is not None and seq_id in self.tables:
+            self.prefix_cache.insert(tokens, self.tables[seq_id])
 
     def free(self, seq_id: int) -> None:
         for block in self.tables.pop(seq_id, []):
@@ -133,6 +156,12 @@ class ContiguousKVCache:
     def usage(self) -> float:
         return self._reserved / self.capacity_tokens
 
+    def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
+        return 0  # no sharing in this layout
+
+    def cache(self, seq_id: int, tokens: list[int]) -> None:
+        pass
+
     def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool:
         """The first call reserves the sequence's whole final length; later calls only check."""
         if seq_id in self.buffers:
@@ -183,7 +212,7 @@ def _available_memory(device: torch.device) -> int:
 
 
 def build_kv_cache(layout: str, memory: str | None, block_size: int, config: ModelConfig, dtype: torch.dtype,
-                   device: torch.device, max_tokens_needed: int) -> KVCache:
+                   device: torch.device, max_tokens_needed: int, prefix_caching: bool) -> KVCache:
     """Size KV memory from an explicit budget or the free memory, never beyond max_tokens_needed tokens."""
     per_token = bytes_per_token(config, dtype)
     budget = parse_bytes(memory) if memory else _available_memory(device)
@@ -192,8 +221,10 @@ def build_kv_cache(layout: str, memory: str | None, block_size: int, config: Mod
         num_blocks = tokens // block_size
         if num_blocks < 1:
             raise ValueError(f"KV memory of {budget} bytes holds no block of {block_size} tokens")
-        cache: KVCache = PagedKVCache(config, dtype, device, num_blocks, block_size)
+        cache: KVCache = PagedKVCache(config, dtype, device, num_blocks, block_size, prefix_caching)
     elif layout == "contiguous":
+        if prefix_caching:
+            log.info("prefix caching needs the paged layout: off with --kv contiguous")
         cache = ContiguousKVCache(config, dtype, device, tokens)
     else:
         raise ValueError(f"unknown KV layout {layout!r}: choose paged or contiguous")

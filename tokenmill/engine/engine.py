@@ -74,7 +74,7 @@ class Engine:
         self._start_error: BaseException | None = None
         self._stopping = False
         self.metrics = EngineMetrics()
-        self._preemptions_seen = 0
+        self._exported: dict[object, int] = {}
 
     def _setup(self) -> None:
         if self.loaded is None:
@@ -87,7 +87,7 @@ class Engine:
         self.max_model_len = loaded.max_model_len
         c = self.config
         self.kv_cache = build_kv_cache(c.kv, c.kv_cache_memory, c.block_size, loaded.config, loaded.dtype,
-                                       loaded.device, c.max_num_seqs * loaded.max_model_len)
+                                       loaded.device, c.max_num_seqs * loaded.max_model_len, c.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill,
                             c.long_prefill_token_threshold),
@@ -217,8 +217,6 @@ class Engine:
                 self.scheduler.isolate([item.seq for item in plan])
             return
         self.scheduler.step_succeeded(plan)
-        for item in plan:
-            item.seq.num_computed_tokens += item.num_tokens
         for seq, token, logprob in zip(sampled, tokens, logprobs, strict=True):
             self._append_token(seq, token, logprob)
         for seq in sampled:
@@ -229,8 +227,12 @@ class Engine:
         m.running.set(len(sched.running))
         m.waiting.set(len(sched.waiting))
         m.kv_usage.set(self.kv_cache.usage())
-        m.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = sched.num_preemptions
+        # Counters the scheduler keeps as totals: export what was added since the last look.
+        for counter, total in ((m.preemptions, sched.num_preemptions),
+                               (m.prefix_queries, sched.prefix_queried_tokens),
+                               (m.prefix_hits, sched.prefix_hit_tokens)):
+            counter.inc(total - self._exported.get(counter, 0))
+            self._exported[counter] = total
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         now = time.perf_counter()
@@ -263,7 +265,8 @@ class Engine:
         out = SequenceOutput(
             seq_id=seq.seq_id, text=seq.detokenizer.take_delta(final=finish_reason is not None),
             token_ids=seq.pending_ids, logprobs=seq.pending_logprobs, finish_reason=finish_reason,
-            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids), error=error,
+            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.num_cached_tokens or 0, error=error,
         )
         seq.pending_ids, seq.pending_logprobs = [], []
         seq.sink(out)

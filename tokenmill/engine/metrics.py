@@ -16,6 +16,10 @@ class EngineMetrics:
         self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc",
                               "Share of KV memory held by live requests (0 to 1).", registry=r)
         self.preemptions = Counter("tokenmill:num_preemptions", "Sequences preempted for KV memory.", registry=r)
+        self.prefix_queries = Counter("tokenmill:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   registry=r)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", registry=r)
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Arrival to first token.",

@@ -36,6 +36,7 @@ class SequenceOutput:
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
     error: str | None = None
 
 
@@ -52,6 +53,7 @@ class Sequence:
     last_token_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache: the single measure of progress
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     status: Status = Status.WAITING
     finish_reason: str | None = None
     # Outputs of the current step not yet handed to the sink.

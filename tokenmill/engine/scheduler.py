@@ -35,6 +35,8 @@ class KVReserver(Protocol):
 
     def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool: ...
     def free(self, seq_id: int) -> None: ...
+    def match_prefix(self, seq_id: int, tokens: list[int]) -> int: ...
+    def cache(self, seq_id: int, tokens: list[int]) -> None: ...
 
 
 class Scheduler:
@@ -44,6 +46,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at first admission
+        self.prefix_hit_tokens = 0  # of those, tokens found
         # Sequences whose batch failed: each runs alone until one of its steps succeeds, to find the culprit.
         self.isolated: deque[Sequence] = deque()
 
@@ -69,10 +73,16 @@ class Scheduler:
             budget = min(budget, cap)
         return min(todo, budget)
 
-    def _evict(self, seq: Sequence) -> None:
-        """Free a running sequence's KV; it recomputes from scratch and resumes before anyone new."""
-        self.running.remove(seq)
+    def _release(self, seq: Sequence) -> None:
+        """Give back a sequence's KV, first offering what it computed to the prefix cache."""
+        self.kv.cache(seq.seq_id, seq.tokens(0, seq.num_computed_tokens))
         self.kv.free(seq.seq_id)
+
+    def _evict(self, seq: Sequence) -> None:
+        """Free a running sequence's KV; it recomputes (from the prefix cache, where it can) and resumes before
+        anyone new."""
+        self.running.remove(seq)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -110,9 +120,17 @@ class Scheduler:
         # Admit only when nothing had to be preempted: memory is short this step.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            cached = self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
+            seq.num_computed_tokens = cached
             n = self._chunk(seq, budget, decoding or bool(plan))
             if n == 0 or not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, self._final_len(seq)):
+                self.kv.free(seq.seq_id)  # drop the prefix references; it is looked up again next time
+                seq.num_computed_tokens = 0
                 break
+            if seq.num_cached_tokens is None:  # first admission (not a resume after preemption)
+                seq.num_cached_tokens = cached
+                self.prefix_queried_tokens += len(seq.prompt_ids)
+                self.prefix_hit_tokens += cached
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -142,8 +160,15 @@ class Scheduler:
             self.isolated.append(seq)
 
     def step_succeeded(self, plan: list[ScheduledSequence]) -> None:
+        """Record the step's progress; a prompt whose prefill just completed becomes shareable at once."""
         if self.isolated and plan and plan[0].seq is self.isolated[0]:
             self.isolated.popleft()
+        for item in plan:
+            seq = item.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_tokens
+            if before < len(seq.prompt_ids) <= seq.num_computed_tokens:
+                self.kv.cache(seq.seq_id, seq.prompt_ids)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (done, aborted or failed) and give back its KV memory."""
@@ -151,7 +176,10 @@ class Scheduler:
             return
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
-            self.kv.free(seq.seq_id)
+            if reason == "error":
+                self.kv.free(seq.seq_id)
+            else:
+                self._release(seq)
         else:
             self.waiting.remove(seq)
         if seq in self.isolated:

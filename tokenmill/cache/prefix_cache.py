@@ -1,0 +1,138 @@
+"""Radix tree over token ids whose nodes own KV blocks of the paged pool: shared prefixes are computed once.
+
+Sharing is block-granular: an edge holds a whole number of blocks' tokens and the blocks that store them, and only
+full blocks enter the tree, so a cached block is never written again. The tree holds one reference on each block
+it owns (BlockPool ref counts); a request using a cached prefix holds another, so "pinned" is simply "referenced by
+someone besides the tree". Unpinned leaves are evicted least recently used, only when the pool needs room.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from tokenmill.cache.block_pool import BlockPool
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: tuple[int, ...] = ()  # the edge from the parent: len(blocks) * block_size token ids
+    blocks: list[int] = field(default_factory=list)
+    parent: Node | None = None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # keyed by the child's first block
+    last_access: int = 0
+
+
+class RadixCache:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.root = Node()
+        self._clock = itertools.count(1)
+        self.num_blocks = 0  # blocks the tree owns
+
+    def _key(self, tokens: tuple[int, ...] | list[int], at: int = 0) -> tuple[int, ...]:
+        return tuple(tokens[at:at + self.block_size])
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of tokens (whole blocks only), marked as just used."""
+        node, at, blocks = self.root, 0, []
+        now = next(self._clock)
+        while len(tokens) - at >= self.block_size:
+            child = node.children.get(self._key(tokens, at))
+            if child is None:
+                break
+            shared = self._shared_blocks(child, tokens, at)
+            blocks += child.blocks[:shared]
+            child.last_access = now
+            if shared < len(child.blocks):
+                break
+            node, at = child, at + len(child.tokens)
+        return blocks
+
+    def _shared_blocks(self, node: Node, tokens: list[int], at: int) -> int:
+        """How many of node's blocks tokens[at:] matches in full."""
+        bs, count = self.block_size, 0
+        while count < len(node.blocks) and len(tokens) - at - count * bs >= bs:
+            if tuple(tokens[at + count * bs: at + (count + 1) * bs]) != node.tokens[count * bs:(count + 1) * bs]:
+                break
+            count += 1
+        return count
+
+    def _split(self, node: Node, num_blocks: int) -> Node:
+        """Cut node's edge after num_blocks blocks; returns the new upper node (node becomes its child)."""
+        cut = num_blocks * self.block_size
+        upper = Node(tokens=node.tokens[:cut], blocks=node.blocks[:num_blocks], parent=node.parent,
+                     last_access=node.last_access)
+        node.parent.children[self._key(upper.tokens)] = upper
+        node.tokens, node.blocks, node.parent = node.tokens[cut:], node.blocks[num_blocks:], upper
+        upper.children[self._key(node.tokens)] = node
+        return upper
+
+    def insert(self, tokens: list[int], blocks: list[int]) -> None:
+        """Cache the full blocks of a computed sequence: blocks[i] stores tokens[i*bs:(i+1)*bs].
+
+        Parts already cached keep their blocks (the caller's copies stay the caller's); new parts take a tree
+        reference on the caller's blocks.
+        """
+        usable = min(len(blocks), len(tokens) // self.block_size)
+        tokens = tokens[: usable * self.block_size]
+        node, at, index = self.root, 0, 0
+        now = next(self._clock)
+        while index < usable:
+            child = node.children.get(self._key(tokens, at))
+            if child is None:
+                new = Node(tokens=tuple(tokens[at:]), blocks=list(blocks[index:usable]), parent=node, last_access=now)
+                node.children[self._key(new.tokens)] = new
+                for block in new.blocks:
+                    self.pool.ref(block)
+                self.num_blocks += len(new.blocks)
+                return
+            shared = self._shared_blocks(child, tokens, at)
+            if shared < len(child.blocks):
+                child = self._split(child, shared)
+            child.last_access = now
+            node, at, index = child, at + len(child.tokens), index + shared
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to num_blocks blocks from the unpinned tails of leaves, least recently used first.
+
+        A request pins a prefix of a path, so a leaf's unpinned blocks are a suffix of its edge: trimming the tail
+        keeps the edge a valid (shorter) prefix. Returns how many blocks were freed.
+        """
+        freed = 0
+        while freed < num_blocks:
+            candidates = [(n, self._unpinned_tail(n)) for n in self._nodes() if not n.children and n is not self.root]
+            candidates = [(n, tail) for n, tail in candidates if tail]
+            if not candidates:
+                break
+            leaf, tail = min(candidates, key=lambda c: c[0].last_access)
+            count = min(tail, num_blocks - freed)
+            for block in leaf.blocks[len(leaf.blocks) - count:]:
+                self.pool.free(block)
+            keep = len(leaf.blocks) - count
+            if keep == 0:
+                del leaf.parent.children[self._key(leaf.tokens)]
+            leaf.blocks, leaf.tokens = leaf.blocks[:keep], leaf.tokens[: keep * self.block_size]
+            self.num_blocks -= count
+            freed += count
+        return freed
+
+    def _unpinned_tail(self, node: Node) -> int:
+        count = 0
+        for block in reversed(node.blocks):
+            if self.pool.refs(block) != 1:
+                break
+            count += 1
+        return count
+
+    def _nodes(self) -> list[Node]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def clear(self) -> None:
+        self.evict(self.num_blocks)
