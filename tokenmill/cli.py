@@ -1,4 +1,4 @@
-"""`tokenmill serve [MODEL]` and `tokenmill pull ALIAS`."""
+"""`tokenmill serve [MODEL]`, `tokenmill pull ALIAS` and `tokenmill bench`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import types
 import typing
 
+from tokenmill.bench.workloads import WORKLOADS, WorkloadParams
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.errors import ModelFormatError
 
@@ -43,6 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_flags(serve, ServerConfig)
     pull = sub.add_parser("pull", help="fetch an embedded default model into the cache")
     pull.add_argument("alias")
+    bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (see tokenmill/bench/README.md)")
+    bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL "
+                       "(default: %(default)s)")
+    bench.add_argument("--model", help="the model to ask for (default: the first id of /v1/models)")
+    bench.add_argument("--workload", choices=WORKLOADS)
+    bench.add_argument("--endpoint", choices=["chat", "completions"], default="chat", help="(default: %(default)s)")
+    bench.add_argument("--concurrency", type=int, help="requests in flight at most (default: 1 for baseline, "
+                       "else all)")
+    bench.add_argument("--ignore-eos", action="store_true", help="send ignore_eos, so outputs run to --output-len")
+    bench.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
+    bench.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed requests first (default: %(default)s)")
+    _add_dataclass_flags(bench, WorkloadParams, skip={"name"})
+    bench.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="write latency histograms and throughput over time as PNG")
+    bench.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two reports side by side")
+    bench.add_argument("--log-level", default="warning", help="(default: %(default)s)")
     return parser
 
 
@@ -73,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
             print(pull(args.alias))
         elif args.command == "serve":
             serve(_pick(EngineConfig, args), _pick(ServerConfig, args))
+        elif args.command == "bench":
+            from tokenmill.bench.client import main as bench_main
+
+            sys.exit(bench_main(args))
     except ModelFormatError as exc:
         print(f"tokenmill: {exc}", file=sys.stderr)
         sys.exit(2)
