@@ -1,0 +1,149 @@
+"""`tokenmill bench` against a live tokenmill on a tiny random-weight model, against servers that fail, and its
+workloads as pure functions."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import ServerThread
+
+from tokenmill import cli
+from tokenmill.bench import client, report
+from tokenmill.bench.workloads import WORDS_PER_TOKEN, WorkloadParams, build, synthetic_text
+from tokenmill.loader import load_model
+
+SMALL = ["--num-requests", "6", "--prompt-len", "16", "--output-len", "8", "--ignore-eos"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf: Path):
+    with ServerThread(load_model(str(tiny_gguf), dtype="float32", device="cpu"), "tiny") as srv:
+        yield srv
+
+
+def bench(*argv: str) -> int:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", *argv])
+    return exit_.value.code
+
+
+def run(url: str, endpoint: str = "chat", model: str | None = None, **params) -> dict:
+    cfg = client.ClientConfig(url=url, model=model, endpoint=endpoint, ignore_eos=True, warmup=0)
+    return asyncio.run(client.run(cfg, WorkloadParams(**params), progress=False))
+
+
+def test_workloads_are_seeded_and_shaped() -> None:
+    assert build(WorkloadParams("burst", seed=3)) == build(WorkloadParams("burst", seed=3))
+    assert build(WorkloadParams("burst", seed=3)) != build(WorkloadParams("burst", seed=4))
+    assert len(synthetic_text(random.Random(0), 1000).split()) == round(1000 * WORDS_PER_TOKEN)
+
+    shared = build(WorkloadParams("shared-prefix", num_requests=5))
+    assert len({c.system for c in shared}) == 1 and len({c.turns[0] for c in shared}) == 5
+    long = build(WorkloadParams("long-prompt", num_requests=8, prompt_len=50, long_prompt_len=1000))
+    assert sorted(len(c.turns[0].split()) > 500 for c in long) == [False] * 2 + [True] * 6
+    assert all(len(c.turns) == 3 for c in build(WorkloadParams("multi-turn", num_requests=2, turns=3)))
+
+    arrivals = [c.arrival for c in build(WorkloadParams("staggered", num_requests=400, request_rate=4.0))]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals)
+    assert 0.2 < arrivals[-1] / 399 < 0.3  # mean gap 1 / rate
+    assert {c.arrival for c in build(WorkloadParams("burst"))} == {0.0}
+
+
+def test_burst_figures_json_plot_and_compare(server: ServerThread, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    path, png = tmp_path / "burst.json", tmp_path / "burst.png"
+    assert bench("--url", server.base_url, "--workload", "burst", *SMALL, "--json", str(path), "--plot", str(png)) == 0
+    out = capsys.readouterr().out
+    assert "model tiny" in out and "TTFT" in out and "6 completed, 0 failed" in out
+
+    result = report.load(path)
+    s = result["summary"]
+    assert s["completed"] == 6 and s["failed"] == 0 and s["usage_from_chunks"] == 0
+    assert s["completion_tokens"] == 48 and s["prompt_tokens"] > 6 * 16
+    assert s["request_throughput"] > 0 and s["output_throughput"] > 0
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        stats = s[key]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"] and stats["mean"] > 0, key
+    for r in result["requests"]:
+        assert r["error"] is None and r["completion_tokens"] == 8 and r["usage_from_server"]
+        assert 0 < r["ttft"] <= r["e2e"] <= s["duration_s"] and r["tpot"] > 0
+    assert result["config"]["model"] == "tiny" and result["config"]["concurrency"] == 6
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+    assert bench("--compare", str(path), str(path)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.startswith("output throughput"))
+    assert row.split()[-1] == "1.00"
+
+
+def test_multi_turn_sends_the_history(server: ServerThread) -> None:
+    result = run(server.base_url, name="multi-turn", num_requests=2, turns=3, prompt_len=8, output_len=4)
+    assert result["summary"]["completed"] == 6 and set(result["summary"]["ttft_ms_by_turn"]) == {"1", "2", "3"}
+    for conversation in (0, 1):
+        prompts = [r["prompt_tokens"] for r in result["requests"] if r["conversation"] == conversation]
+        assert len(prompts) == 3 and prompts == sorted(set(prompts))  # each turn carries the ones before
+
+
+def test_shared_prefix_on_completions(server: ServerThread) -> None:
+    result = run(server.base_url, endpoint="completions", name="shared-prefix", num_requests=3, prompt_len=8,
+                 prefix_len=24, output_len=4)
+    assert result["summary"]["completed"] == 3 and result["summary"]["completion_tokens"] == 12
+
+
+def test_a_failing_server_is_counted_not_raised(server: ServerThread, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "down.json"
+    assert bench("--url", f"http://127.0.0.1:{port}", "--workload", "burst", *SMALL, "--json", str(path)) == 1
+    assert "0 completed, 6 failed" in capsys.readouterr().out
+    down = report.load(path)["summary"]
+    assert down["failed"] == 6 and "ConnectError" in next(iter(down["errors"]))
+    assert down["ttft_ms"]["mean"] is None
+
+    unknown = run(server.base_url, model="nope", name="baseline", num_requests=2, output_len=4)["summary"]
+    assert unknown["failed"] == 2 and next(iter(unknown["errors"])).startswith("HTTP 404")
+
+
+def _sse(*events: str) -> bytes:
+    return "".join(f"data: {e}\n\n" for e in events).encode()
+
+
+def _one_request(handler, timeout: float = 600.0) -> client.RequestRecord:
+    """One request through the client against a fake server (an httpx transport calling handler)."""
+    async def one() -> client.RequestRecord:
+        cfg = client.ClientConfig(url="http://server", timeout=timeout)
+        record = client.RequestRecord(0, 1, 0.0)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=cfg.base_url) as http:
+            await client._request(http, cfg, {}, record, 0.0)
+        return record
+
+    return asyncio.run(one())
+
+
+HI = '{"choices":[{"delta":{"content":"hi"}}]}'
+
+
+@pytest.mark.parametrize(("body", "error"), [
+    (_sse(HI, '{"error":{"message":"boom"}}'), "error event: boom"),
+    (_sse(HI), "the stream ended without data: [DONE]"),
+    (None, "timeout after 0.2 s"),
+])
+def test_stream_failures_become_records(body: bytes | None, error: str) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if body is None:
+            await asyncio.sleep(5)
+        return httpx.Response(200, content=body)
+
+    assert _one_request(handler, timeout=0.2).error == error
+
+
+def test_chunks_are_counted_when_the_server_sends_no_usage() -> None:
+    record = _one_request(lambda request: httpx.Response(200, content=_sse(HI, HI, HI, "[DONE]")))
+    assert record.ok and record.completion_tokens == 3 and not record.usage_from_server and len(record.itl) == 2
