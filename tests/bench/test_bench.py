@@ -87,6 +87,7 @@ def test_multi_turn_sends_the_history(server: ServerThread) -> None:
     for conversation in (0, 1):
         prompts = [r["prompt_tokens"] for r in result["requests"] if r["conversation"] == conversation]
         assert len(prompts) == 3 and prompts == sorted(set(prompts))  # each turn carries the ones before
+    assert all(isinstance(r["cached_tokens"], int) for r in result["requests"])  # usage.prompt_tokens_details
 
 
 def test_shared_prefix_on_completions(server: ServerThread) -> None:

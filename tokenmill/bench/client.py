@@ -60,6 +60,7 @@ class RequestRecord:
     end: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # arrivals of the chunks with content
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server says it took from its prefix cache
     completion_tokens: int | None = None
     usage_from_server: bool = False
     error: str | None = None
@@ -123,6 +124,7 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], re
             raise _ServerError("the stream ended without data: [DONE]")
     if usage:
         record.prompt_tokens, record.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         record.usage_from_server = True
     else:
         record.completion_tokens = len(record.chunk_times)

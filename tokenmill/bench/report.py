@@ -43,6 +43,7 @@ def build(config: dict[str, Any], records: list[RequestRecord], duration: float)
         "output_throughput": completion_tokens / duration,
         "total_token_throughput": (prompt_tokens + completion_tokens) / duration,
         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "cached_prompt_tokens": sum(r.cached_tokens or 0 for r in ok),
         "usage_from_chunks": sum(not r.usage_from_server for r in ok),  # requests the server sent no usage for
         "ttft_ms": _stats([r.ttft for r in ok]),
         "itl_ms": _stats([gap for r in ok for gap in r.itl]),
@@ -90,7 +91,8 @@ def table(report: dict[str, Any]) -> str:
                if s["usage_from_chunks"] else " (the server's usage)")
     lines = [describe(report["config"]),
              f"requests: {s['completed']} completed, {s['failed']} failed, in {s['duration_s']:.2f} s",
-             f"tokens: {s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} completion{counted}", ""]
+             f"tokens: {s['prompt_tokens']:,} prompt ({s['cached_prompt_tokens']:,} of them cached), "
+             f"{s['completion_tokens']:,} completion{counted}", ""]
     lines += [f"{label:<28}{_fmt(s[key], 2):>12}" for key, label in THROUGHPUTS.items()]
     lines += ["", f"{'latency (ms)':<16}" + "".join(f"{h:>10}" for h in STATS)]
     lines += [f"{label:<16}" + "".join(f"{_fmt(stats[h]):>10}" for h in STATS)
