@@ -4,10 +4,10 @@ Every workload is a list of conversations. A conversation is one or more user tu
 next turn carries every earlier turn and the assistant's actual replies); conversations run concurrently. All
 single-turn workloads are conversations of one turn.
 
-Prompts are synthetic English-like text: words drawn from a fixed list with random.Random(seed), so a run is
-reproducible without downloading a dataset. Lengths are asked for in tokens and written as 0.92 words per token
-(within 2% on SmolLM2's tokenizer; other tokenizers differ a little), so they are approximate: the report counts
-the prompt tokens the server says it read.
+Prompts are synthetic English-like text: words drawn from a fixed list with a generator seeded by the seed and the
+workload's name, so a run is reproducible without downloading a dataset. Lengths are asked for in tokens and written
+as 0.92 words per token (within 2% on SmolLM2's tokenizer; other tokenizers differ a little), so they are
+approximate: the report counts the prompt tokens the server says it read.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def _arrivals(params: WorkloadParams, n: int) -> list[float]:
 def build(params: WorkloadParams) -> list[Conversation]:
     if params.name not in WORKLOADS:
         raise ValueError(f"unknown workload {params.name!r}; choose from {', '.join(WORKLOADS)}")
-    rng = random.Random(params.seed)
+    # The name is in the seed so that, against one server, a workload does not find another's prompts cached.
+    rng = random.Random(f"{params.seed}-{params.name}")
     n = params.num_requests
     system = synthetic_text(rng, params.prefix_len) if params.name == "shared-prefix" else None
     if params.name == "long-prompt":
