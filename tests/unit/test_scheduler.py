@@ -190,3 +190,18 @@ def test_block_pool_has_no_leak_or_double_free_under_random_cycles(seed: int) ->
     assert pool.num_free == 64
     with pytest.raises(ValueError):
         pool.free(0)
+
+
+def test_the_prefill_cap_while_decoding_holds_for_all_prompts_together() -> None:
+    sched, _ = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    first = make(0, 4)
+    sched.add(first)
+    run(sched, sched.schedule())
+    for i in range(1, 6):
+        sched.add(make(i, 10))
+    while any(s.num_computed_tokens < 10 for s in sched.running + list(sched.waiting) if s is not first):
+        plan = sched.schedule()
+        prefill = sum(p.num_tokens for p in plan if p.seq.num_computed_tokens < len(p.seq.prompt_ids))
+        assert 0 < prefill <= 8  # five prompts share the cap
+        assert plan[0].seq is first
+        run(sched, plan)

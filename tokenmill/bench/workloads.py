@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tokenmill.config import _opt  # one --flag per field, as for the server's config
+from tokenmill.config import option  # one --flag per field, as for the server's config
 
 WORKLOADS = ("baseline", "burst", "staggered", "long-prompt", "shared-prefix", "multi-turn")
 WORDS_PER_TOKEN = 0.92
@@ -51,15 +51,15 @@ class Conversation:
 @dataclass
 class WorkloadParams:
     name: str
-    num_requests: int = _opt(16, "requests to send (multi-turn: conversations)")
-    prompt_len: int = _opt(128, "approximate tokens of each prompt (of each turn; long-prompt's short prompts)")
-    output_len: int = _opt(128, "max_tokens of each request")
-    long_prompt_len: int = _opt(4000, "approximate tokens of long-prompt's long prompts")
-    long_fraction: float = _opt(0.75, "share of long prompts in long-prompt")
-    prefix_len: int = _opt(1000, "approximate tokens of shared-prefix's common system prompt")
-    turns: int = _opt(4, "turns of each multi-turn conversation")
-    request_rate: float | None = _opt(None, "Poisson arrivals per second; None: all at once (staggered: 1.0)")
-    seed: int = _opt(0, "seed of prompts, arrivals and sampling")
+    num_requests: int = option(16, "requests to send (multi-turn: conversations)")
+    prompt_len: int = option(128, "approximate tokens of each prompt (of each turn; long-prompt's short prompts)")
+    output_len: int = option(128, "max_tokens of each request")
+    long_prompt_len: int = option(4000, "approximate tokens of long-prompt's long prompts")
+    long_fraction: float = option(0.75, "share of long prompts in long-prompt")
+    prefix_len: int = option(1000, "approximate tokens of shared-prefix's common system prompt")
+    turns: int = option(4, "turns of each multi-turn conversation")
+    request_rate: float | None = option(None, "Poisson arrivals per second; None: all at once (staggered: 1.0)")
+    seed: int = option(0, "seed of prompts, arrivals and sampling")
 
     @property
     def rate(self) -> float | None:

@@ -25,8 +25,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     chunked_prefill: bool = True
-    # While other sequences decode, a prefill runs at most this many tokens a step, so the decodes' step time
-    # (their inter-token latency) stays low. 0: no cap beyond the token budget.
+    # While some sequences decode, prefill chunks take at most this many tokens of a step (all prompts together),
+    # so the decoders' step time, their inter-token latency, stays low. 0: no cap beyond the token budget.
     long_prefill_token_threshold: int = 0
 
 
@@ -60,18 +60,15 @@ class Scheduler:
     def _final_len(self, seq: Sequence) -> int:
         return len(seq.prompt_ids) + seq.max_tokens
 
-    def _chunk(self, seq: Sequence, budget: int, decoding: bool) -> int:
-        """Tokens of seq to run now: 1 when decoding, else the next prompt chunk that the budget allows."""
+    def _chunk(self, seq: Sequence, budget: int, prefill_budget: int) -> int:
+        """Tokens of seq to run now: 1 when decoding, else the next prompt chunk that the budgets allow."""
         todo = seq.num_tokens - seq.num_computed_tokens
         if todo == 1:
             return 1
         if not self.config.chunked_prefill:
             # Whole prompts only; one larger than the budget runs when it would be first in the step.
             return todo if todo <= budget or budget == self.config.max_num_batched_tokens else 0
-        cap = self.config.long_prefill_token_threshold
-        if decoding and cap:
-            budget = min(budget, cap)
-        return min(todo, budget)
+        return max(0, min(todo, budget, prefill_budget))
 
     def _release(self, seq: Sequence) -> None:
         """Give back a sequence's KV, first offering what it computed to the prefix cache."""
@@ -95,13 +92,15 @@ class Scheduler:
         if self.isolated:
             return self._schedule_isolated()
         budget = self.config.max_num_batched_tokens
+        cap = self.config.long_prefill_token_threshold
         decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        prefill_budget = cap if decoding and cap else budget
         plan: list[ScheduledSequence] = []
         preempted = False
         for seq in list(self.running):
             if seq.status != Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(seq, budget, decoding)
+            n = self._chunk(seq, budget, prefill_budget)
             if n == 0:
                 continue
             # Out of blocks: preempt the newest running sequence until this one fits (or is itself the newest).
@@ -115,6 +114,8 @@ class Scheduler:
                 continue
             plan.append(ScheduledSequence(seq, n))
             budget -= n
+            if n > 1:
+                prefill_budget -= n
             if budget == 0:
                 break
         # Admit only when nothing had to be preempted: memory is short this step.
@@ -122,7 +123,7 @@ class Scheduler:
             seq = self.waiting[0]
             cached = self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
             seq.num_computed_tokens = cached
-            n = self._chunk(seq, budget, decoding or bool(plan))
+            n = self._chunk(seq, budget, prefill_budget)
             if n == 0 or not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, self._final_len(seq)):
                 self.kv.free(seq.seq_id)  # drop the prefix references; it is looked up again next time
                 seq.num_computed_tokens = 0
@@ -136,6 +137,7 @@ class Scheduler:
             self.running.append(seq)
             plan.append(ScheduledSequence(seq, n))
             budget -= n
+            prefill_budget -= n
         # Decodes lead the flat batch: the runner and attention treat them as one group.
         plan.sort(key=lambda item: item.num_tokens > 1)
         return plan
