@@ -148,3 +148,16 @@ def test_stream_failures_become_records(body: bytes | None, error: str) -> None:
 def test_chunks_are_counted_when_the_server_sends_no_usage() -> None:
     record = _one_request(lambda request: httpx.Response(200, content=_sse(HI, HI, HI, "[DONE]")))
     assert record.ok and record.completion_tokens == 3 and not record.usage_from_server and len(record.itl) == 2
+
+
+def test_long_prompt_delay_and_the_prefill_stall_figures(server: ServerThread) -> None:
+    # the tiny model reads a byte per token: 60 "tokens" of words are about 300 of its tokens
+    params = dict(name="long-prompt", num_requests=4, long_fraction=0.25, prompt_len=4, long_prompt_len=60,
+                  output_len=48, long_prompt_delay=0.2)
+    arrivals = {c.long: c.arrival for c in build(WorkloadParams(**params))}
+    assert arrivals == {True: 0.2, False: 0.0}
+    summary = run(server.base_url, **params)["summary"]
+    assert summary["failed"] == 0
+    before, during = summary["itl_ms_before_long_prefill"], summary["itl_ms_during_long_prefill"]
+    assert before["p50"] is not None and before["p50"] > 0
+    assert set(during) == {"mean", "p50", "p90", "p99"}

@@ -11,11 +11,14 @@ import dataclasses
 import json
 import math
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from matplotlib.figure import Figure
+
+from tokenmill.bench import workloads
 
 if TYPE_CHECKING:
     from tokenmill.bench.client import RequestRecord
@@ -31,6 +34,25 @@ def _stats(seconds: list[float | None]) -> dict[str, float | None]:
     if not ms.size:
         return dict.fromkeys(STATS)
     return {"mean": float(ms.mean()), **{f"p{q}": float(np.percentile(ms, q)) for q in (50, 90, 99)}}
+
+
+def _prefill_stall(ok: list[RequestRecord], params: dict[str, Any]) -> dict[str, Any]:
+    """Short requests' inter-token gaps before any long prompt arrived, and while one was prefilling (from its
+    sending to its first token): what a long prefill costs the users already decoding."""
+    long_ones = {c.index for c in workloads.build(workloads.WorkloadParams(**params)) if c.long}
+    long = [r for r in ok if r.conversation in long_ones]
+    windows = [(r.start, r.start + r.ttft) for r in long if r.ttft is not None]
+    first_long = min((start for start, _ in windows), default=math.inf)
+    before, during = [], []
+    for r in ok:
+        if r in long:
+            continue
+        for a, b in pairwise(r.chunk_times):
+            if b <= first_long:
+                before.append(b - a)
+            elif any(start < b <= end for start, end in windows):
+                during.append(b - a)
+    return {"itl_ms_before_long_prefill": _stats(before), "itl_ms_during_long_prefill": _stats(during)}
 
 
 def build(config: dict[str, Any], records: list[RequestRecord], duration: float) -> dict[str, Any]:
@@ -51,6 +73,8 @@ def build(config: dict[str, Any], records: list[RequestRecord], duration: float)
         "e2e_ms": _stats([r.e2e for r in ok]),
         "errors": dict(Counter(r.error for r in records if not r.ok).most_common()),
     }
+    if config["workload"] == "long-prompt":
+        summary.update(_prefill_stall(ok, config["params"]))
     turns = sorted({r.turn for r in ok})
     if len(turns) > 1:  # multi-turn: does a longer history (a cached prefix, or not) slow the first token?
         summary["ttft_ms_by_turn"] = {str(t): _stats([r.ttft for r in ok if r.turn == t]) for t in turns}
@@ -82,6 +106,10 @@ def describe(config: dict[str, Any]) -> str:
 def _latency_rows(summary: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     rows = {label: summary[key] for key, label in LATENCIES.items()}
     rows.update({f"TTFT turn {t}": stats for t, stats in summary.get("ttft_ms_by_turn", {}).items()})
+    for key, label in (("itl_ms_before_long_prefill", "ITL before long prompts"),
+                       ("itl_ms_during_long_prefill", "ITL during long prefill")):
+        if key in summary:
+            rows[label] = summary[key]
     return rows
 
 

@@ -46,6 +46,7 @@ class Conversation:
     turns: list[str]
     system: str | None = None
     arrival: float = 0.0  # seconds after the start of the run
+    long: bool = False  # one of long-prompt's long prompts
 
 
 @dataclass
@@ -56,6 +57,8 @@ class WorkloadParams:
     output_len: int = option(128, "max_tokens of each request")
     long_prompt_len: int = option(4000, "approximate tokens of long-prompt's long prompts")
     long_fraction: float = option(0.75, "share of long prompts in long-prompt")
+    long_prompt_delay: float = option(0.0, "seconds into the run at which long-prompt's long prompts arrive, so the "
+                                           "short ones are already decoding (0: with the rest)")
     prefix_len: int = option(1000, "approximate tokens of shared-prefix's common system prompt")
     turns: int = option(4, "turns of each multi-turn conversation")
     request_rate: float | None = option(None, "Poisson arrivals per second; None: all at once (staggered: 1.0)")
@@ -111,5 +114,8 @@ def build(params: WorkloadParams) -> list[Conversation]:
     else:
         lengths = [params.prompt_len] * n
     turns = params.turns if params.name == "multi-turn" else 1
-    return [Conversation(i, [synthetic_text(rng, lengths[i]) for _ in range(turns)], system, arrival)
-            for i, arrival in enumerate(_arrivals(params, n))]
+    long = [params.name == "long-prompt" and length == params.long_prompt_len for length in lengths]
+    arrivals = [max(at, params.long_prompt_delay) if is_long else at
+                for at, is_long in zip(_arrivals(params, n), long, strict=True)]
+    return [Conversation(i, [synthetic_text(rng, lengths[i]) for _ in range(turns)], system, arrival, long[i])
+            for i, arrival in enumerate(arrivals)]
