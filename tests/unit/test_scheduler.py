@@ -72,7 +72,7 @@ def test_admits_by_free_blocks_and_seq_cap() -> None:
 
 
 def test_long_prompt_is_chunked_beside_decodes_within_the_budget() -> None:
-    sched, _ = scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    sched, _ = scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=8, long_prefill_chunk=6)
     short = make(0, 4)
     sched.add(short)
     run(sched, sched.schedule())
@@ -85,8 +85,8 @@ def test_long_prompt_is_chunked_beside_decodes_within_the_budget() -> None:
         assert plan[0].seq is short and plan[0].num_tokens == 1  # the decode is never starved
         chunks.append(next(p.num_tokens for p in plan if p.seq is long))
         run(sched, plan)
-    assert chunks == [6] * 6 + [4]  # capped at the threshold while short decodes
-    alone, _ = scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    assert chunks == [6] * 6 + [4]  # capped while short decodes; the last 4 are no longer "long"
+    alone, _ = scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=8, long_prefill_chunk=6)
     lone = make(2, 40)
     alone.add(lone)
     chunks = []
@@ -192,16 +192,35 @@ def test_block_pool_has_no_leak_or_double_free_under_random_cycles(seed: int) ->
         pool.free(0)
 
 
-def test_the_prefill_cap_while_decoding_holds_for_all_prompts_together() -> None:
-    sched, _ = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+def test_long_prompts_share_the_cap_and_short_ones_go_whole() -> None:
+    sched, _ = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=10, long_prefill_chunk=8)
     first = make(0, 4)
     sched.add(first)
     run(sched, sched.schedule())
-    for i in range(1, 6):
-        sched.add(make(i, 10))
-    while any(s.num_computed_tokens < 10 for s in sched.running + list(sched.waiting) if s is not first):
-        plan = sched.schedule()
-        prefill = sum(p.num_tokens for p in plan if p.seq.num_computed_tokens < len(p.seq.prompt_ids))
-        assert 0 < prefill <= 8  # five prompts share the cap
-        assert plan[0].seq is first
+    longs = [make(i, 30) for i in range(1, 4)]
+    for s in longs:
+        sched.add(s)
+    sched.add(short := make(9, 6))
+    plan = sched.schedule()
+    assert any(p.seq is short and p.num_tokens == 6 for p in plan)  # a short prompt is not held back
+    while any(s.num_computed_tokens < 30 for s in longs):
+        long_work = sum(p.num_tokens for p in plan if p.seq.num_tokens - p.seq.num_computed_tokens > 10)
+        assert long_work <= 8  # prompts still long share the cap; their last 10 tokens go whole
         run(sched, plan)
+        plan = sched.schedule()
+
+
+def test_a_long_prompt_chunk_shrinks_as_its_context_grows() -> None:
+    sched, _ = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=4, long_prefill_chunk=16,
+                         attention_crossover=32)
+    sched.add(first := make(0, 2))
+    run(sched, sched.schedule())
+    sched.add(long := make(1, 200))
+    chunks = []
+    while long.num_computed_tokens < 100:
+        plan = sched.schedule()
+        chunks.append(next(p.num_tokens for p in plan if p.seq is long))
+        run(sched, plan)
+    # 16 / (1 + context / 32): 16 at context 0, 10 at 16 (16 * 32 / 48), ... ever smaller, never zero
+    assert chunks[0] == 16 and chunks[1] == 10 and chunks == sorted(chunks, reverse=True) and min(chunks) >= 1
+    assert first.output_ids  # the decoder kept decoding

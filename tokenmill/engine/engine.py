@@ -27,6 +27,7 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.errors import RequestError
 from tokenmill.loader import LoadedModel, load_model
+from tokenmill.models.config import attention_crossover
 from tokenmill.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class Engine:
                                        loaded.device, c.max_num_seqs * loaded.max_model_len, c.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill,
-                            c.long_prefill_token_threshold),
+                            c.long_prefill_token_threshold, c.long_prefill_chunk, attention_crossover(loaded.config)),
             self.kv_cache,
         )
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)

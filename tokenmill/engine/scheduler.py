@@ -25,9 +25,14 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     chunked_prefill: bool = True
-    # While some sequences decode, prefill chunks take at most this many tokens of a step (all prompts together),
-    # so the decoders' step time, their inter-token latency, stays low. 0: no cap beyond the token budget.
+    # A prompt with more than this many tokens left to prefill is long. While other sequences decode, long
+    # prompts together get at most long_prefill_chunk tokens a step, so the decoders' inter-token latency stays
+    # low; short prompts go whole, so a burst of ordinary requests is admitted at once. 0: no cap.
     long_prefill_token_threshold: int = 0
+    long_prefill_chunk: int = 0
+    # Context length at which a token's attention costs as much as its projections and MLP: a long prompt's chunk
+    # shrinks as its context grows (tokens x (1 + context / this) stays within long_prefill_chunk). 0: no shrink.
+    attention_crossover: int = 0
 
 
 class KVReserver(Protocol):
@@ -60,15 +65,34 @@ class Scheduler:
     def _final_len(self, seq: Sequence) -> int:
         return len(seq.prompt_ids) + seq.max_tokens
 
-    def _chunk(self, seq: Sequence, budget: int, prefill_budget: int) -> int:
-        """Tokens of seq to run now: 1 when decoding, else the next prompt chunk that the budgets allow."""
+    def _chunk(self, seq: Sequence, budget: int, long_budget: float | None) -> int:
+        """Tokens of seq to run now: 1 when decoding, else its next prompt chunk within the budgets.
+
+        long_budget: what long prompts may still take this step (None: no cap), in token units where a token at
+        context c counts 1 + c / attention_crossover."""
         todo = seq.num_tokens - seq.num_computed_tokens
         if todo == 1:
             return 1
         if not self.config.chunked_prefill:
             # Whole prompts only; one larger than the budget runs when it would be first in the step.
             return todo if todo <= budget or budget == self.config.max_num_batched_tokens else 0
-        return max(0, min(todo, budget, prefill_budget))
+        if long_budget is None or not self._is_long(seq):
+            return min(todo, budget)
+        return max(0, min(todo, budget, int(long_budget / self._token_weight(seq))))
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return seq.num_tokens - seq.num_computed_tokens > self.config.long_prefill_token_threshold
+
+    def _token_weight(self, seq: Sequence) -> float:
+        """A prompt token's cost in chunk units: its projections and MLP (1) plus attention over its context."""
+        crossover = self.config.attention_crossover
+        return 1 + seq.num_computed_tokens / crossover if crossover else 1.0
+
+    def _charge(self, seq: Sequence, n: int, long_budget: float | None) -> float | None:
+        """What is left of the long-prompt budget after seq, a long prompt, runs n tokens."""
+        if long_budget is None or not self._is_long(seq):
+            return long_budget
+        return long_budget - n * self._token_weight(seq)
 
     def _release(self, seq: Sequence) -> None:
         """Give back a sequence's KV, first offering what it computed to the prefix cache."""
@@ -92,15 +116,15 @@ class Scheduler:
         if self.isolated:
             return self._schedule_isolated()
         budget = self.config.max_num_batched_tokens
-        cap = self.config.long_prefill_token_threshold
         decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        prefill_budget = cap if decoding and cap else budget
+        cap = self.config.long_prefill_chunk
+        long_budget: float | None = cap if decoding and cap and self.config.long_prefill_token_threshold else None
         plan: list[ScheduledSequence] = []
         preempted = False
         for seq in list(self.running):
             if seq.status != Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(seq, budget, prefill_budget)
+            n = self._chunk(seq, budget, long_budget)
             if n == 0:
                 continue
             # Out of blocks: preempt the newest running sequence until this one fits (or is itself the newest).
@@ -114,30 +138,34 @@ class Scheduler:
                 continue
             plan.append(ScheduledSequence(seq, n))
             budget -= n
-            if n > 1:
-                prefill_budget -= n
+            long_budget = self._charge(seq, n, long_budget)
             if budget == 0:
                 break
-        # Admit only when nothing had to be preempted: memory is short this step.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        # Admit only when nothing had to be preempted: memory is short this step. In arrival order, except that a
+        # long prompt out of budget for this step lets the prompts behind it through.
+        for seq in [] if preempted else list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             cached = self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
             seq.num_computed_tokens = cached
-            n = self._chunk(seq, budget, prefill_budget)
-            if n == 0 or not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, self._final_len(seq)):
+            n = self._chunk(seq, budget, long_budget)
+            fits = n > 0 and self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, self._final_len(seq))
+            if not fits:
                 self.kv.free(seq.seq_id)  # drop the prefix references; it is looked up again next time
                 seq.num_computed_tokens = 0
-                break
+                if n == 0:
+                    continue
+                break  # out of memory: nobody overtakes
             if seq.num_cached_tokens is None:  # first admission (not a resume after preemption)
                 seq.num_cached_tokens = cached
                 self.prefix_queried_tokens += len(seq.prompt_ids)
                 self.prefix_hit_tokens += cached
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             plan.append(ScheduledSequence(seq, n))
             budget -= n
-            prefill_budget -= n
+            long_budget = self._charge(seq, n, long_budget)
         # Decodes lead the flat batch: the runner and attention treat them as one group.
         plan.sort(key=lambda item: item.num_tokens > 1)
         return plan

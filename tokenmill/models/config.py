@@ -24,3 +24,14 @@ class ModelConfig:
     # Per-frequency divisors of RoPE's inverse frequencies (Llama 3 scaling); GGUF stores them as the tensor
     # rope_freqs, Hugging Face configs as rope_scaling parameters. None: no scaling.
     rope_freq_factors: tuple[float, ...] | None = None
+
+
+def attention_crossover(config: ModelConfig) -> int:
+    """The context length at which a token's attention FLOPs (q.k and p.v over the context) equal those of its
+    projections and MLP: the scheduler's measure of how much a prompt chunk deep into a long context costs."""
+    per_layer_linear = config.hidden_size * (
+        (config.num_heads + 2 * config.num_kv_heads) * config.head_dim  # q, k, v
+        + config.num_heads * config.head_dim  # o
+    ) + 3 * config.hidden_size * config.intermediate_size  # gate, up, down
+    per_context_token = 2 * config.num_heads * config.head_dim  # q.k and p.v, per layer
+    return max(1, per_layer_linear // per_context_token)
