@@ -20,9 +20,9 @@ class EngineConfig:
     max_num_batched_tokens: int = option(2048, "tokens one engine step may process (prefill chunks + decodes)")
     chunked_prefill: bool = option(True, "prefill long prompts in chunks that interleave with other users' decodes")
     long_prefill_token_threshold: int = option(
-        256, "a prompt with more tokens than this left to prefill is long (0: none is)")
+        256, "a prompt of more tokens than this is long (0: none is)")
     long_prefill_chunk: int = option(
-        48, "while others decode, long prompts together prefill at most this many tokens a step, fewer as their "
+        32, "while others decode, long prompts together prefill at most this many tokens a step, fewer as their "
             "context grows, so the decoders' inter-token latency stays low (0: no cap)")
     kv: str = option("paged", "KV memory layout: paged (a pool of fixed-size blocks) or contiguous (one buffer per "
                             "sequence, reserved for its whole length)")

@@ -25,7 +25,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     chunked_prefill: bool = True
-    # A prompt with more than this many tokens left to prefill is long. While other sequences decode, long
+    # A prompt of more than this many tokens is long. While other sequences decode, long
     # prompts together get at most long_prefill_chunk tokens a step, so the decoders' inter-token latency stays
     # low; short prompts go whole, so a burst of ordinary requests is admitted at once. 0: no cap.
     long_prefill_token_threshold: int = 0
@@ -81,7 +81,9 @@ class Scheduler:
         return max(0, min(todo, budget, int(long_budget / self._token_weight(seq))))
 
     def _is_long(self, seq: Sequence) -> bool:
-        return seq.num_tokens - seq.num_computed_tokens > self.config.long_prefill_token_threshold
+        """Long by its whole length, so that the tail of a long prompt (deep in its context, the costliest
+        tokens) is chunked too."""
+        return seq.num_tokens > self.config.long_prefill_token_threshold
 
     def _token_weight(self, seq: Sequence) -> float:
         """A prompt token's cost in chunk units: its projections and MLP (1) plus attention over its context."""
@@ -90,7 +92,8 @@ class Scheduler:
 
     def _charge(self, seq: Sequence, n: int, long_budget: float | None) -> float | None:
         """What is left of the long-prompt budget after seq, a long prompt, runs n tokens."""
-        if long_budget is None or not self._is_long(seq):
+        decode = seq.num_tokens - seq.num_computed_tokens == 1
+        if long_budget is None or decode or not self._is_long(seq):
             return long_budget
         return long_budget - n * self._token_weight(seq)
 
