@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelFormatError
@@ -47,14 +47,49 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+class _CheckedReader(GGUFReader):
+    """GGUFReader that refuses, fast, what a crafted file could make it do: read past the end of the file (the
+    stock reader silently returns a short array there) or walk a count that the bytes left cannot hold."""
+
+    _MIN_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        arr = super()._get(offset, dtype, count, override_order)
+        if len(arr) != int(count):
+            raise ValueError(f"a read of {int(count)} x {np.dtype(dtype).name} at byte {offset} runs past the end "
+                             f"of the file ({len(self.data)} bytes)")
+        return arr
+
+    def _check_count(self, offset: int, count: int, min_size: int, what: str) -> None:
+        if int(count) * min_size > len(self.data) - offset:
+            raise ValueError(f"{what} count {int(count)} at byte {offset} cannot fit in the "
+                             f"{len(self.data) - offset} bytes left")
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+        if raw_type == GGUFValueType.ARRAY:
+            item_type, length = int(self._get(orig_offs, np.uint32)[0]), self._get(orig_offs + 4, np.uint64)[0]
+            scalar = self.gguf_scalar_to_np.get(item_type)  # type: ignore[call-overload]
+            min_size = np.dtype(scalar).itemsize if scalar is not None else self._MIN_BYTES.get(item_type, 1)
+            self._check_count(orig_offs + 12, length, min_size, "array item")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        self._check_count(offs, count, 8 + 4 + 1, "metadata key")
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs: int, count: int) -> Any:
+        self._check_count(offs, count, 8 + 4 + 4 + 8, "tensor")
+        return super()._build_tensor_info(offs, count)
+
+
 class GGUFFile:
     """An opened GGUF file: metadata as plain Python values, tensors memory-mapped."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(self.path)
-        except Exception as exc:  # the reader raises bare ValueError/IndexError on malformed files
+            self.reader = _CheckedReader(self.path)
+        except Exception as exc:  # the reader raises bare ValueError/KeyError/RecursionError on malformed files
             raise ModelFormatError(f"{self.path} is not a readable GGUF file: {exc}") from exc
         self.metadata: dict[str, Any] = {}
         for name, field in self.reader.fields.items():
@@ -73,20 +108,22 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         raise ModelFormatError(
             f"unsupported architecture {arch!r} in {gguf.path.name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    names = {t.name for t in gguf.reader.tensors}
-    hidden = int(gguf.arch_value("embedding_length"))
-    num_heads = int(gguf.arch_value("attention.head_count"))
-    embed = next(t for t in gguf.reader.tensors if t.name == "token_embd.weight")
+    tensors = {t.name: t for t in gguf.reader.tensors}
+    names = set(tensors)
+    if "token_embd.weight" not in tensors:
+        raise ModelFormatError(f"{gguf.path.name} has no token_embd.weight tensor")
+    hidden = _required_int(gguf, "embedding_length")
+    num_heads = _required_int(gguf, "attention.head_count")
+    embed = tensors["token_embd.weight"]
     freq_factors = None
     if "rope_freqs.weight" in names:
-        tensor = next(t for t in gguf.reader.tensors if t.name == "rope_freqs.weight")
-        freq_factors = tuple(float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1))
-    return ModelConfig(
+        freq_factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data, np.float32).reshape(-1))
+    config = ModelConfig(
         architecture=arch,
         vocab_size=int(embed.shape[1]),
         hidden_size=hidden,
-        intermediate_size=int(gguf.arch_value("feed_forward_length")),
-        num_layers=int(gguf.arch_value("block_count")),
+        intermediate_size=_required_int(gguf, "feed_forward_length"),
+        num_layers=_required_int(gguf, "block_count"),
         num_heads=num_heads,
         num_kv_heads=int(gguf.arch_value("attention.head_count_kv", num_heads)),
         head_dim=int(gguf.arch_value("attention.key_length", hidden // num_heads)),
@@ -98,6 +135,21 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_freq_factors=freq_factors,
     )
+    # The model is allocated from the metadata: it must describe the tensors the file holds, or a crafted header
+    # could claim a model far larger than the file.
+    in_file = sum(int(t.n_elements) for t in gguf.reader.tensors if _hf_name(t.name))
+    if config.num_parameters() != in_file or min(hidden, num_heads, config.num_kv_heads, config.head_dim) <= 0:
+        raise ModelFormatError(
+            f"{gguf.path.name}: the metadata describes a model of {config.num_parameters()} weights, the file holds "
+            f"{in_file}")
+    return config
+
+
+def _required_int(gguf: GGUFFile, key: str) -> int:
+    value = gguf.arch_value(key)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ModelFormatError(f"{gguf.path.name}: metadata {gguf.architecture}.{key} is missing or not an integer")
+    return int(value)
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -25,6 +25,14 @@ class ModelConfig:
     # rope_freqs, Hugging Face configs as rope_scaling parameters. None: no scaling.
     rope_freq_factors: tuple[float, ...] | None = None
 
+    def num_parameters(self) -> int:
+        """The weights this config allocates (norms and biases included)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        per_layer += (q + 2 * kv) * self.attention_bias + 2 * self.head_dim * self.qk_norm
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * per_layer + h
+
 
 def attention_crossover(config: ModelConfig) -> int:
     """The context length at which a token's attention FLOPs (q.k and p.v over the context) equal those of its
