@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import uvicorn
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 from tokenmill.api.app import create_app
-from tokenmill.config import EngineConfig
+from tokenmill.api.guards import ServingState
+from tokenmill.api.server import TokenmillServer
+from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
@@ -33,7 +39,8 @@ def _byte_to_unicode() -> list[str]:
 
 
 def write_tiny_gguf(path: Path, chat_template: str | None = CHATML, architecture: str = "llama",
-                    qtype: GGMLQuantizationType = GGMLQuantizationType.F32, seed: int = 0) -> Path:
+                    qtype: GGMLQuantizationType = GGMLQuantizationType.F32, seed: int = 0,
+                    context_length: int = 512) -> Path:
     """A 2-layer random-weight Llama with a byte-level BPE vocabulary (256 bytes + 3 control tokens)."""
     rng = np.random.default_rng(seed)
     tokens = _byte_to_unicode() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -42,7 +49,7 @@ def write_tiny_gguf(path: Path, chat_template: str | None = CHATML, architecture
     head_dim = hidden // heads
     writer = GGUFWriter(str(path), architecture)
     writer.add_block_count(layers)
-    writer.add_context_length(512)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
@@ -117,17 +124,29 @@ def start_engine(loaded: LoadedModel, **config) -> Engine:
     return engine
 
 
-class ServerThread:
-    """uvicorn serving create_app(...) on a free loopback port, in this process."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, loaded: LoadedModel, model_id: str, **engine_config) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+
+class ServerThread:
+    """The server tokenmill serve runs, on a free loopback port, in a thread of this process."""
+
+    def __init__(self, loaded: LoadedModel, model_id: str, server_config: ServerConfig | None = None,
+                 **engine_config) -> None:
+        self.port = free_port()
         self.engine = Engine(EngineConfig(**engine_config), loaded)
-        app = create_app(self.engine, model_id)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        config = server_config or ServerConfig()
+        self.state = ServingState()
+        app = create_app(self.engine, model_id, None, config, self.state)
+        self.server = TokenmillServer(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"),
+                                      self.engine, self.state, config.shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def root_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -145,3 +164,52 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+class ServerProcess:
+    """`tokenmill serve` in a child process, as users run it; for signals, exit codes and memory."""
+
+    def __init__(self, model: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could fill up and block the server
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill", "serve", str(model), "--served-model-name", "tiny", "--port",
+             str(self.port), "--threads", "1", "--log-level", "warning", *flags],
+            stdout=subprocess.DEVNULL, stderr=self.log, text=True,
+        )
+
+    @property
+    def root_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status", encoding="ascii") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.root_url + "/metrics").text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line.startswith("tokenmill:")}
+
+    def __enter__(self) -> ServerProcess:
+        deadline = time.time() + 120
+        while time.time() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(self.root_url + "/health").status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        output = self.output()
+        self.__exit__()
+        raise RuntimeError(f"the server did not start: {output}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import types
 import typing
@@ -26,12 +27,16 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[s
         flag, help_ = f"--{f.name.replace('_', '-')}", f"{f.metadata.get('help', '')} (default: %(default)s)"
         if kind is bool:  # --flag / --no-flag
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        elif typing.get_origin(kind) is tuple:  # tuple[str, ...]: repeat the flag, or give several values
+            parser.add_argument(flag, action="extend", nargs="+", type=typing.get_args(kind)[0],
+                                default=list(f.default), help=help_)
         else:
             parser.add_argument(flag, type=kind, default=f.default, help=help_)
 
 
 def _pick(cls: type, args: argparse.Namespace) -> typing.Any:
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,20 +69,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Serve until SIGTERM (exit code 0) or until the engine dies (1)."""
     import uvicorn
 
     from tokenmill.api.app import create_app
+    from tokenmill.api.guards import ServingState
+    from tokenmill.api.server import TokenmillServer
     from tokenmill.engine.engine import Engine
 
+    log = logging.getLogger(__name__)
+    if not server_config.api_key:
+        keys = tuple(k.strip() for k in os.environ.get("TOKENMILL_API_KEY", "").split(",") if k.strip())
+        server_config = dataclasses.replace(server_config, api_key=keys)
+    if not server_config.api_key and server_config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)",
+                    server_config.host)
     engine = Engine(engine_config)
     engine.start()  # loads the model on the engine thread
     model_id = server_config.served_model_name or engine_config.model
     path = engine.loaded.path
-    app = create_app(engine, model_id, aliases={engine_config.model, str(path), path.name})
-    logging.getLogger(__name__).info("serving %s on http://%s:%d/v1", model_id, server_config.host,
-                                     server_config.port)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)
+    state = ServingState()
+    app = create_app(engine, model_id, {engine_config.model, str(path), path.name}, server_config, state)
+    log.info("serving %s on http://%s:%d/v1", model_id, server_config.host, server_config.port)
+    server = TokenmillServer(
+        uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
+                       timeout_graceful_shutdown=5),
+        engine, state, server_config.shutdown_timeout,
+    )
+    server.run()
+    return server.exit_code
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
 
             print(pull(args.alias))
         elif args.command == "serve":
-            serve(_pick(EngineConfig, args), _pick(ServerConfig, args))
+            sys.exit(serve(_pick(EngineConfig, args), _pick(ServerConfig, args)))
         elif args.command == "bench":
             from tokenmill.bench.client import main as bench_main
 

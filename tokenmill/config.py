@@ -30,6 +30,8 @@ class EngineConfig:
     prefix_caching: bool = option(True, "share the KV of prompt prefixes computed before (radix tree over blocks)")
     kv_cache_memory: str | None = option(None, "KV memory, e.g. 2GiB (default: 10%% of available RAM on CPU, 85%% of "
                                              "free GPU memory on CUDA, at most what max-num-seqs full contexts need)")
+    max_queued_requests: int = option(256, "sequences that may wait for a slot; beyond, requests get 429 with "
+                                           "Retry-After")
     seed: int = option(0, "seed of the sampler for requests that give none")
     threads: int | None = option(None, "CPU threads for the model (default: torch's choice)")
 
@@ -40,3 +42,19 @@ class ServerConfig:
     port: int = option(8000, "TCP port")
     served_model_name: str | None = option(None, "the model id /v1/models lists (default: the MODEL argument)")
     log_level: str = option("info", "debug, info, warning or error")
+    api_key: tuple[str, ...] = option((), "accept only requests that carry one of these keys as a Bearer token (every "
+                                          "route but /health); repeat for several; default: $TOKENMILL_API_KEY, "
+                                          "comma-separated, or none")
+    allowed_origins: tuple[str, ...] = option((), "origins allowed cross-origin requests (CORS), e.g. "
+                                                  "http://localhost:3000 or *; default: CORS off")
+    shutdown_timeout: float = option(30.0, "seconds that SIGTERM lets in-flight requests finish before aborting them")
+    max_request_bytes: int = option(4 * 2**20, "largest request body (413 beyond)")
+    max_json_depth: int = option(32, "deepest nesting of arrays and objects in a request body")
+    max_seqs_per_request: int = option(16, "sequences one request may ask for: n, times the prompts of a completion")
+    max_messages: int = option(1024, "messages of one chat request")
+    max_stop: int = option(16, "stop strings of one request")
+    max_logit_bias: int = option(1024, "logit_bias entries of one request")
+    chat_template_timeout: float = option(2.0, "seconds a chat template may take to render one request")
+    chat_template_max_chars: int = option(8 * 2**20, "characters a chat template may render for one request")
+    allow_request_chat_template: bool = option(False, "let requests bring their own chat_template (rendered in the "
+                                                      "same sandbox)")

@@ -15,13 +15,15 @@ class RequestError(TokenmillError):
     """A client's mistake: answered with a 4xx OpenAI error object."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, type: str = "invalid_request_error") -> None:
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.code = code
         self.type = type
+        self.headers = headers
 
 
 class EngineError(TokenmillError):

@@ -11,8 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.config import ServerConfig
 from tokenmill.errors import RequestError
-from tokenmill.sampling import SamplingParams
+from tokenmill.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+INT32_MAX = 2**31 - 1
 
 
 class StreamOptions(BaseModel):
@@ -44,37 +47,44 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Ranges OpenAI documents are checked here, so the OpenAPI schema states them; the server's configurable
+    limits and what needs the vocabulary are checked in sampling_params and SamplingParams.validate."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
-    temperature: float | None = Field(default=None)
-    top_p: float | None = None
-    n: int = 1
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     user: str | None = None
     # vLLM extensions
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=2)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if not 1 <= self.n <= 16:
-            raise RequestError(f"n must be between 1 and 16, got {self.n}", param="n")
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: ServerConfig,
+                         num_prompts: int = 1) -> SamplingParams:
+        if self.n * num_prompts > limits.max_seqs_per_request:
+            what = f"n ({self.n}) times the prompts ({num_prompts})" if num_prompts > 1 else f"n ({self.n})"
+            raise RequestError(f"{what} is over this server's limit of {limits.max_seqs_per_request} sequences "
+                               f"per request", param="n")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > 16:
-            raise RequestError("at most 16 stop sequences are allowed", param="stop")
+        if len(stop) > limits.max_stop:
+            raise RequestError(f"at most {limits.max_stop} stop sequences are allowed", param="stop")
+        if len(self.logit_bias or {}) > limits.max_logit_bias:
+            raise RequestError(f"at most {limits.max_logit_bias} logit_bias entries are allowed", param="logit_bias")
         try:
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError as exc:
@@ -101,19 +111,22 @@ class _SamplingFields(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # vLLM's extension; off unless the server allows it
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, limits: ServerConfig) -> SamplingParams:
         if not self.messages:
             raise RequestError("messages must hold at least one message", param="messages")
+        if len(self.messages) > limits.max_messages:
+            raise RequestError(f"at most {limits.max_messages} messages are allowed", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, limits)
 
     def template_messages(self) -> list[dict[str, Any]]:
         out = []
@@ -125,20 +138,20 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, limits: ServerConfig) -> SamplingParams:
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of is supported only equal to n", param="best_of")
         if self.echo and self.stream:
             raise RequestError("echo is not supported with stream", param="echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, limits, len(self.prompts()))
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field's four shapes as a list of prompts, each text or token ids."""

@@ -76,6 +76,10 @@ class Engine:
         self._stopping = False
         self.metrics = EngineMetrics()
         self._exported: dict[object, int] = {}
+        # Sequences submitted and not finished, and how many of them run: the waiting ones are the difference.
+        self._unfinished = 0
+        self._unfinished_lock = threading.Lock()
+        self._num_running = 0
 
     def _setup(self) -> None:
         if self.loaded is None:
@@ -115,6 +119,26 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def num_unfinished(self) -> int:
+        return self._unfinished
+
+    def check_capacity(self, count: int) -> None:
+        """Refuse `count` more sequences while the engine is down or its waiting queue is full (backpressure)."""
+        if not self.alive:
+            raise RequestError("the engine is not running", status=503, type="service_unavailable")
+        waiting = self._unfinished - self._num_running
+        if waiting + count > self.config.max_queued_requests:
+            raise RequestError(
+                f"The server is busy: {waiting} sequences are waiting, the queue holds "
+                f"{self.config.max_queued_requests}. Retry later.",
+                status=429, type="rate_limit_error", code="server_busy", headers={"Retry-After": "1"},
+            )
+
+    def abort_all(self) -> None:
+        """Finish every unfinished sequence with finish_reason 'abort' (the end of a graceful shutdown)."""
+        self._inbox.put(("abort_all", None))
+
     def check_fits(self, prompt_len: int, max_tokens: int | None) -> int:
         """Resolve max_tokens against the context; refuse what can never fit, with the numbers."""
         if prompt_len == 0:
@@ -146,6 +170,8 @@ class Engine:
             raise RequestError("the prompt holds token ids outside the vocabulary", param="prompt")
         seq_id = next(self._ids)
         stream = RequestStream(self, seq_id)
+        with self._unfinished_lock:
+            self._unfinished += 1
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.loaded.device).manual_seed(params.seed)
@@ -179,6 +205,7 @@ class Engine:
             if self.scheduler.has_work():
                 self._step()
             self._update_gauges()
+        self._drain_inbox(block=False)  # what was submitted meanwhile is finished too, not left hanging
         for seq in list(self._seqs.values()):
             self._finish(seq, "abort")
 
@@ -195,6 +222,9 @@ class Engine:
             elif kind == "abort":
                 seq = self._seqs.get(item)  # type: ignore[arg-type]
                 if seq is not None:
+                    self._finish(seq, "abort")
+            elif kind == "abort_all":
+                for seq in list(self._seqs.values()):
                     self._finish(seq, "abort")
             try:
                 kind, item = self._inbox.get_nowait()
@@ -225,7 +255,8 @@ class Engine:
 
     def _update_gauges(self) -> None:
         m, sched = self.metrics, self.scheduler
-        m.running.set(len(sched.running))
+        self._num_running = len(sched.running)
+        m.running.set(self._num_running)
         m.waiting.set(len(sched.waiting))
         m.kv_usage.set(self.kv_cache.usage())
         # Counters the scheduler keeps as totals: export what was added since the last look.
@@ -277,5 +308,7 @@ class Engine:
             return
         self.scheduler.finish(seq, reason)
         self._seqs.pop(seq.seq_id, None)
+        with self._unfinished_lock:
+            self._unfinished -= 1
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
         self._send(seq, reason, error)

@@ -1,0 +1,285 @@
+"""Bad input, overload, disconnects and auth against a live server on a tiny model: every mistake is a 4xx OpenAI
+error object, and the server keeps serving afterwards with nothing leaked."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from helpers import ServerThread, assert_no_live_blocks, start_engine, write_tiny_gguf
+
+from tokenmill.api.app import create_app
+from tokenmill.config import ServerConfig
+from tokenmill.loader import LoadedModel, load_model
+
+MODEL = "tiny"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+LIMITS = ServerConfig(max_request_bytes=64 * 1024, max_json_depth=32, max_seqs_per_request=4, max_messages=8,
+                      max_stop=4, max_logit_bias=16, chat_template_timeout=0.5, chat_template_max_chars=100_000,
+                      allow_request_chat_template=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A context long enough that a request can outlast a client's patience."""
+    path = write_tiny_gguf(tmp_path_factory.mktemp("tiny4k") / "tiny.gguf", context_length=4096)
+    return load_model(str(path), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(tiny: LoadedModel):
+    with ServerThread(tiny, MODEL, LIMITS, max_num_seqs=8) as srv:
+        yield srv
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL, "messages": HI, "max_tokens": 2, **fields}
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields}
+
+
+# (name, method, path, JSON body or raw bytes, extra headers, expected status, expected param or None)
+CASES = [
+    ("malformed json", "POST", CHAT, b"{not json", {}, 400, None),
+    ("truncated json", "POST", CHAT, b'{"model": "tiny", "messages": [', {}, 400, None),
+    ("body is an array", "POST", CHAT, [], {}, 400, None),
+    ("body is a string", "POST", CHAT, "hello", {}, 400, None),
+    ("empty body", "POST", CHAT, b"", {}, 400, None),
+    ("text/plain body", "POST", CHAT, b"hello", {"content-type": "text/plain"}, 400, None),
+    ("NaN literal", "POST", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                                  b'"temperature": NaN}', {}, 400, "temperature"),
+    ("missing model", "POST", CHAT, {"messages": HI}, {}, 400, "model"),
+    ("missing messages", "POST", CHAT, {"model": MODEL}, {}, 400, "messages"),
+    ("messages not a list", "POST", CHAT, chat(messages="hi"), {}, 400, "messages"),
+    ("empty messages", "POST", CHAT, chat(messages=[]), {}, 400, "messages"),
+    ("message without role", "POST", CHAT, chat(messages=[{"content": "hi"}]), {}, 400, "messages.0.role"),
+    ("unknown role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), {}, 400,
+     "messages.0.role"),
+    ("content of wrong type", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), {}, 400, None),
+    ("image content part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), {}, 400, "messages"),
+    ("too many messages", "POST", CHAT, chat(messages=HI * 9), {}, 400, "messages"),
+    ("temperature a string", "POST", CHAT, chat(temperature="hot"), {}, 400, "temperature"),
+    ("temperature negative", "POST", CHAT, chat(temperature=-1), {}, 400, "temperature"),
+    ("temperature too high", "POST", CHAT, chat(temperature=2.5), {}, 400, "temperature"),
+    ("top_p zero", "POST", CHAT, chat(top_p=0), {}, 400, "top_p"),
+    ("top_p over one", "POST", CHAT, chat(top_p=1.5), {}, 400, "top_p"),
+    ("top_k too small", "POST", CHAT, chat(top_k=-5), {}, 400, "top_k"),
+    ("min_p over one", "POST", CHAT, chat(min_p=2), {}, 400, "min_p"),
+    ("n zero", "POST", CHAT, chat(n=0), {}, 400, "n"),
+    ("n huge", "POST", CHAT, chat(n=10**6), {}, 400, "n"),
+    ("n fractional", "POST", CHAT, chat(n=1.5), {}, 400, "n"),
+    ("max_tokens zero", "POST", CHAT, chat(max_tokens=0), {}, 400, "max_tokens"),
+    ("max_tokens negative", "POST", CHAT, chat(max_tokens=-5), {}, 400, "max_tokens"),
+    ("max_tokens over the context", "POST", CHAT, chat(max_tokens=10**30), {}, 400, "max_tokens"),
+    ("max_completion_tokens zero", "POST", CHAT, chat(max_completion_tokens=0), {}, 400, "max_completion_tokens"),
+    ("min_tokens over max_tokens", "POST", CHAT, chat(min_tokens=5), {}, 400, "min_tokens"),
+    ("top_logprobs over 20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
+    ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=2), {}, 400, "top_logprobs"),
+    ("presence_penalty too high", "POST", CHAT, chat(presence_penalty=3), {}, 400, "presence_penalty"),
+    ("frequency_penalty too low", "POST", CHAT, chat(frequency_penalty=-3), {}, 400, "frequency_penalty"),
+    ("repetition_penalty zero", "POST", CHAT, chat(repetition_penalty=0), {}, 400, "repetition_penalty"),
+    ("logit_bias key not a token id", "POST", CHAT, chat(logit_bias={"abc": 1}), {}, 400, "logit_bias"),
+    ("logit_bias id outside the vocabulary", "POST", CHAT, chat(logit_bias={"99999999": 1}), {}, 400,
+     "logit_bias"),
+    ("logit_bias value out of range", "POST", CHAT, chat(logit_bias={"5": 1000}), {}, 400, "logit_bias"),
+    ("logit_bias too many entries", "POST", CHAT, chat(logit_bias={str(i): 1 for i in range(17)}), {}, 400,
+     "logit_bias"),
+    ("too many stop strings", "POST", CHAT, chat(stop=["a", "b", "c", "d", "e"]), {}, 400, "stop"),
+    ("empty stop string", "POST", CHAT, chat(stop=[""]), {}, 400, "stop"),
+    ("stop_token_ids outside the vocabulary", "POST", CHAT, chat(stop_token_ids=[10**6]), {}, 400,
+     "stop_token_ids"),
+    ("seed out of range", "POST", CHAT, chat(seed=2**70), {}, 400, "seed"),
+    ("stream not a boolean", "POST", CHAT, chat(stream="maybe"), {}, 400, "stream"),
+    ("stream_options without stream", "POST", CHAT, chat(stream_options={"include_usage": True}), {}, 400,
+     "stream_options"),
+    ("prompt over the context", "POST", CHAT, chat(messages=[{"role": "user", "content": "word " * 1000}]), {},
+     400, "messages"),
+    ("prompt ids outside the vocabulary", "POST", COMPLETIONS, completion(prompt=[999999]), {}, 400, "prompt"),
+    ("negative prompt ids", "POST", COMPLETIONS, completion(prompt=[-1, 5]), {}, 400, "prompt"),
+    ("empty prompt list", "POST", COMPLETIONS, completion(prompt=[]), {}, 400, "prompt"),
+    ("prompt ids of mixed types", "POST", COMPLETIONS, completion(prompt=[[1, "a"]]), {}, 400, None),
+    ("prompts times n over the limit", "POST", COMPLETIONS, completion(prompt=["a", "b", "c"], n=2), {}, 400, "n"),
+    ("completion logprobs over 20", "POST", COMPLETIONS, completion(logprobs=50), {}, 400, "logprobs"),
+    ("best_of unlike n", "POST", COMPLETIONS, completion(best_of=3), {}, 400, "best_of"),
+    ("echo with stream", "POST", COMPLETIONS, completion(echo=True, stream=True), {}, 400, "echo"),
+    ("unknown model", "POST", CHAT, chat(model="gpt-9"), {}, 404, "model"),
+    ("wrong method", "GET", CHAT, None, {}, 405, None),
+    ("unknown route", "POST", "/v1/embeddings", chat(), {}, 404, None),
+    ("oversized body", "POST", CHAT, chat(messages=[{"role": "user", "content": "x" * 70_000}]), {}, 413, None),
+    ("deep nesting", "POST", CHAT, b'{"model": "tiny", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}, 400,
+     None),
+    ("sandbox escape in a request template", "POST", CHAT,
+     chat(chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}"), {}, 400, "messages"),
+    ("endless request template", "POST", CHAT,
+     chat(chat_template="{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"), {},
+     400, "messages"),
+    ("request template that writes too much", "POST", CHAT,
+     chat(chat_template="{% for i in range(100000) %}{{ 'xxxxxxxxxx' }}{% endfor %}"), {}, 400, "messages"),
+    ("request template that multiplies a string", "POST", CHAT, chat(chat_template="{{ 'a' * 10**9 }}"), {}, 400,
+     "messages"),
+    ("request template that raises a power", "POST", CHAT, chat(chat_template="{{ 7 ** 1000000000 }}"), {}, 400,
+     "messages"),
+    ("request template that does not compile", "POST", CHAT, chat(chat_template="{% for %}"), {}, 400,
+     "chat_template"),
+]
+
+
+def send(srv: ServerThread, method: str, path: str, body, headers: dict) -> httpx.Response:
+    if body is None:
+        return httpx.request(method, srv.root_url + path, headers=headers, timeout=30)
+    if isinstance(body, bytes):
+        return httpx.request(method, srv.root_url + path, content=body,
+                             headers={"content-type": "application/json", **headers}, timeout=30)
+    return httpx.request(method, srv.root_url + path, json=body, headers=headers, timeout=30)
+
+
+def assert_error_object(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "Traceback" not in response.text
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def assert_serves(srv: ServerThread) -> None:
+    response = httpx.post(srv.root_url + CHAT, json=chat(), timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_at_least_thirty_bad_inputs() -> None:
+    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_a_4xx_error_object_and_the_server_keeps_serving(server: ServerThread, case: tuple) -> None:
+    _, method, path, body, headers, status, param = case
+    started = time.perf_counter()
+    assert_error_object(send(server, method, path, body, headers), status, param)
+    assert time.perf_counter() - started < 5
+    assert_serves(server)
+    assert_no_live_blocks(server.engine)
+
+
+def test_oversized_body_without_content_length(server: ServerThread) -> None:
+    def chunks():
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(100):
+            yield b"x" * 1024
+        yield b'"}]}'
+
+    response = httpx.post(server.root_url + CHAT, content=chunks(), headers={"content-type": "application/json"})
+    assert_error_object(response, 413)
+    assert_serves(server)
+
+
+def test_a_request_template_renders_when_allowed(server: ServerThread) -> None:
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    response = httpx.post(server.root_url + CHAT, json=chat(chat_template=template, logprobs=True), timeout=30)
+    assert response.status_code == 200
+    expected = server.engine.tokenizer.encode_chat("[user] hi\n", ["hi"])
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_request_templates_are_off_by_default(tiny: LoadedModel) -> None:
+    with ServerThread(tiny, MODEL) as srv:
+        response = httpx.post(srv.root_url + CHAT, json=chat(chat_template="{{ messages }}"))
+        assert "allow-request-chat-template" in assert_error_object(response, 400, "chat_template")["message"]
+
+
+def test_flood_gets_429_with_retry_after_and_leaks_nothing(tiny: LoadedModel) -> None:
+    async def flood(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as client:
+            body = chat(max_tokens=64, ignore_eos=True)
+            return await asyncio.gather(*(client.post(url, json=body) for _ in range(40)))
+
+    with ServerThread(tiny, MODEL, max_num_seqs=2, max_queued_requests=4) as srv:
+        responses = asyncio.run(flood(srv.root_url + CHAT))
+        busy = [r for r in responses if r.status_code == 429]
+        done = [r for r in responses if r.status_code == 200]
+        assert busy and done and len(busy) + len(done) == len(responses)
+        for r in busy:
+            assert r.headers["retry-after"] and assert_error_object(r, 429)["code"] == "server_busy"
+        assert all(r.json()["usage"]["completion_tokens"] == 64 for r in done)
+        wait_until_idle(srv)
+        assert_no_live_blocks(srv.engine)
+        assert_serves(srv)
+
+
+def wait_until_idle(srv: ServerThread, seconds: float = 10) -> None:
+    deadline = time.time() + seconds
+    while srv.engine.num_unfinished and time.time() < deadline:
+        time.sleep(0.02)
+    assert srv.engine.num_unfinished == 0
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_non_streaming_client_that_leaves_aborts_its_sequences(server: ServerThread, n: int) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.root_url + CHAT, json=chat(max_tokens=4000, ignore_eos=True, n=n), timeout=0.3)
+    wait_until_idle(server)
+    assert_no_live_blocks(server.engine)
+    assert_serves(server)
+
+
+def test_a_streaming_client_with_n_2_that_leaves_aborts_both(server: ServerThread) -> None:
+    with httpx.stream("POST", server.root_url + CHAT, json=chat(max_tokens=4000, ignore_eos=True, n=2, stream=True),
+                      timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    wait_until_idle(server)
+    assert_no_live_blocks(server.engine)
+
+
+def test_api_keys(tiny: LoadedModel) -> None:
+    with ServerThread(tiny, MODEL, ServerConfig(api_key=("key-one", "key-two"))) as srv:
+        assert httpx.get(srv.root_url + "/health").status_code == 200  # open to probes
+        error = assert_error_object(httpx.get(srv.root_url + "/v1/models"), 401)
+        assert error["code"] == "invalid_api_key"
+        assert_error_object(httpx.get(srv.root_url + "/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+        assert_error_object(httpx.get(srv.root_url + "/metrics", headers={"Authorization": "key-one"}), 401)
+        assert_error_object(httpx.post(srv.root_url + CHAT, json=chat()), 401)
+        for key in ("key-one", "key-two"):
+            client = openai.OpenAI(base_url=srv.root_url + "/v1", api_key=key)
+            assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).usage.completion_tokens
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.root_url + "/v1", api_key="wrong").models.list()
+
+
+def test_cors_is_off_unless_origins_are_allowed(server: ServerThread, tiny: LoadedModel) -> None:
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
+    response = httpx.options(server.root_url + CHAT, headers=preflight)
+    assert "access-control-allow-origin" not in response.headers
+    with ServerThread(tiny, MODEL, ServerConfig(allowed_origins=("http://ui.example",), api_key=("k",))) as srv:
+        response = httpx.options(srv.root_url + CHAT, headers=preflight)
+        assert response.status_code == 200
+        assert response.headers["access-control-allow-origin"] == "http://ui.example"
+        response = httpx.get(srv.root_url + "/v1/models", headers={"Origin": "http://ui.example",
+                                                                     "Authorization": "Bearer k"})
+        assert response.status_code == 200 and response.headers["access-control-allow-origin"]
+
+
+def test_a_dead_engine_is_unhealthy_and_refuses_work(tiny: LoadedModel) -> None:
+    engine = start_engine(tiny)
+    engine.stop()
+    client = TestClient(create_app(engine, MODEL))  # no lifespan: the engine stays dead
+    assert client.get("/health").status_code == 503
+    assert_error_object(client.post(CHAT, json=chat()), 503)
+
+
+def test_a_dead_engine_stops_the_server(tiny: LoadedModel) -> None:
+    with ServerThread(tiny, MODEL) as srv:
+        srv.engine.stop()
+        srv.thread.join(timeout=10)
+        assert not srv.thread.is_alive() and srv.server.exit_code == 1

@@ -1,0 +1,76 @@
+"""uvicorn, with the shutdown a server needs: SIGTERM drains, and a dead engine ends the process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from types import FrameType
+
+import uvicorn
+
+from tokenmill.api.guards import ServingState
+from tokenmill.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class TokenmillServer(uvicorn.Server):
+    """On SIGTERM or SIGINT: new requests get 503 (`state.draining`), in-flight ones may finish for
+    `shutdown_timeout` seconds, the rest end with finish_reason "abort", then the server stops and run() returns;
+    `exit_code` is 0. A second signal stops at once. If the engine thread dies, the server stops with exit_code 1
+    rather than answer 503 forever."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, state: ServingState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        self._spawn(self._watch_engine())
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded as uvicorn records it: it would re-raise the signal after the shutdown, and the process
+        # would die of it instead of exiting 0.
+        if self.state.draining or self._loop is None:
+            self.should_exit = True
+            return
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(lambda: self._spawn(self._drain()))
+
+    def _spawn(self, coroutine: object) -> None:
+        task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        log.info("shutting down: %d sequences in flight get %.0fs to finish", self.engine.num_unfinished,
+                 self.shutdown_timeout)
+        while self.engine.num_unfinished and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine.num_unfinished:
+            log.warning("aborting %d unfinished sequences", self.engine.num_unfinished)
+            self.engine.abort_all()
+            for _ in range(100):  # their last chunks go out before the connections close
+                if not self.engine.num_unfinished:
+                    break
+                await asyncio.sleep(0.05)
+        self.should_exit = True
+
+    async def _watch_engine(self) -> None:
+        while not self.should_exit:
+            if not self.engine.alive:
+                log.error("the engine loop has died; stopping the server")
+                self.state.draining = True
+                self.exit_code = 1
+                self.should_exit = True
+                return
+            await asyncio.sleep(0.2)
