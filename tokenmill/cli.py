@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def with_env_api_keys(config: ServerConfig) -> ServerConfig:
+    """The keys of --api-key, or else those of $TOKENMILL_API_KEY (comma-separated)."""
+    if config.api_key:
+        return config
+    keys = tuple(k.strip() for k in os.environ.get("TOKENMILL_API_KEY", "").split(",") if k.strip())
+    return dataclasses.replace(config, api_key=keys)
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGTERM (exit code 0) or until the engine dies (1)."""
     import uvicorn
@@ -79,9 +87,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     from tokenmill.engine.engine import Engine
 
     log = logging.getLogger(__name__)
-    if not server_config.api_key:
-        keys = tuple(k.strip() for k in os.environ.get("TOKENMILL_API_KEY", "").split(",") if k.strip())
-        server_config = dataclasses.replace(server_config, api_key=keys)
+    server_config = with_env_api_keys(server_config)
     if not server_config.api_key and server_config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)",
                     server_config.host)
