@@ -27,9 +27,9 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[s
         flag, help_ = f"--{f.name.replace('_', '-')}", f"{f.metadata.get('help', '')} (default: %(default)s)"
         if kind is bool:  # --flag / --no-flag
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        elif typing.get_origin(kind) is tuple:  # tuple[str, ...]: repeat the flag, or give several values
-            parser.add_argument(flag, action="extend", nargs="+", type=typing.get_args(kind)[0],
-                                default=list(f.default), help=help_)
+        elif typing.get_origin(kind) is tuple:  # tuple[str, ...]: one value per flag, repeated for several
+            parser.add_argument(flag, action="append", type=typing.get_args(kind)[0], default=list(f.default),
+                                help=help_)
         else:
             parser.add_argument(flag, type=kind, default=f.default, help=help_)
 
