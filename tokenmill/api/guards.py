@@ -22,7 +22,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_ROUTES = {"/health"}  # no API key needed; answers 503 itself while draining
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)  # possessive: no backtracking over long strings
+_BRACKET_STEP = np.zeros(256, dtype=np.int32)  # +1 for an opening bracket, -1 for a closing one, by byte value
+_BRACKET_STEP[[ord("["), ord("{")]], _BRACKET_STEP[[ord("]"), ord("}")]] = 1, -1
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -42,9 +44,8 @@ class ServingState:
 
 def json_depth(body: bytes) -> int:
     """The deepest nesting of arrays and objects, counted outside string literals, without parsing."""
-    brackets = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
-    steps = np.isin(brackets, (ord("["), ord("{"))).astype(np.int32) - np.isin(brackets, (ord("]"), ord("}")))
-    return int(np.cumsum(steps).max(initial=0))
+    outside_strings = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
+    return int(np.cumsum(_BRACKET_STEP[outside_strings]).max(initial=0))
 
 
 def _api_key_ok(header: bytes | None, keys: tuple[bytes, ...]) -> bool:
