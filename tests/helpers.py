@@ -166,6 +166,13 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
+def read_metrics(root_url: str) -> dict[str, float]:
+    """The server's tokenmill:* samples from /metrics, by name."""
+    text = httpx.get(root_url + "/metrics").text
+    samples = (line.split(" ") for line in text.splitlines() if line.startswith("tokenmill:"))
+    return {name: float(value) for name, value, *_ in samples}
+
+
 class ServerProcess:
     """`tokenmill serve` in a child process, as users run it; for signals, exit codes and memory."""
 
@@ -187,9 +194,7 @@ class ServerProcess:
             return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.root_url + "/metrics").text
-        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                if line.startswith("tokenmill:")}
+        return read_metrics(self.root_url)
 
     def __enter__(self) -> ServerProcess:
         deadline = time.time() + 120

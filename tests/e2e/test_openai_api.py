@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import ServerThread, assert_no_live_blocks
+from helpers import ServerThread, assert_no_live_blocks, read_metrics
 
 from tokenmill.loader import LoadedModel
 
@@ -188,9 +188,7 @@ def test_disconnected_stream_frees_its_sequence(client: openai.OpenAI, server: S
 def test_metrics(client: openai.OpenAI, server: ServerThread) -> None:
     client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=5)
     time.sleep(0.6)  # the idle engine loop refreshes its gauges at least every 0.5 s
-    text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line.startswith("tokenmill:")}
+    values = read_metrics(server.root_url)
     assert values["tokenmill:num_requests_running"] == 0 and values["tokenmill:num_requests_waiting"] == 0
     assert values["tokenmill:kv_cache_usage_perc"] == 0
     assert values["tokenmill:generation_tokens_total"] >= 5 and values["tokenmill:prompt_tokens_total"] > 0

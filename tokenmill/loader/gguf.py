@@ -109,14 +109,13 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
             f"unsupported architecture {arch!r} in {gguf.path.name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     tensors = {t.name: t for t in gguf.reader.tensors}
-    names = set(tensors)
     if "token_embd.weight" not in tensors:
         raise ModelFormatError(f"{gguf.path.name} has no token_embd.weight tensor")
     hidden = _required_int(gguf, "embedding_length")
     num_heads = _required_int(gguf, "attention.head_count")
     embed = tensors["token_embd.weight"]
     freq_factors = None
-    if "rope_freqs.weight" in names:
+    if "rope_freqs.weight" in tensors:
         freq_factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data, np.float32).reshape(-1))
     config = ModelConfig(
         architecture=arch,
@@ -130,9 +129,9 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         rms_norm_eps=float(gguf.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(gguf.arch_value("rope.freq_base", 10000.0)),
         max_position_embeddings=int(gguf.arch_value("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         rope_freq_factors=freq_factors,
     )
     # The model is allocated from the metadata: it must describe the tensors the file holds, or a crafted header
