@@ -12,8 +12,8 @@ def option(default, help: str):  # noqa: A002 - the argparse word
 @dataclass
 class EngineConfig:
     model: str = option("smollm2-135m", "a .gguf file, a Hugging Face folder, a hub id or an alias")
-    dtype: str = option("auto", "compute dtype: auto (bf16 on CUDA and AMX CPUs, else fp32), float32, bfloat16, "
-                              "float16")
+    dtype: str = option("auto", "compute dtype: auto (bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else "
+                              "fp32), float32, bfloat16, float16")
     device: str = option("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     max_model_len: int | None = option(None, "context length served (default: the model's, at most 8192)")
     max_num_seqs: int = option(64, "sequences running at once")

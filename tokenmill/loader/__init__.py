@@ -45,9 +45,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 where the hardware computes it natively (CUDA, CPUs with AMX), else fp32.
+    """auto: bf16 where the hardware computes it natively (CUDA; CPUs with AMX or AVX512-BF16), else fp32.
 
-    On CPUs without AMX, bf16 matmuls are emulated and slower than fp32 (see README for the measurement).
+    Without those instructions bf16 matmuls are emulated and slower than fp32 at batch sizes that matter (measured
+    3.4x slower at 32 rows on an AVX2 CPU); with AVX512-BF16 they are 2.9x faster (see README).
     """
     if name != "auto":
         if name not in DTYPES:
@@ -55,15 +56,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and _cpu_has_amx():
+    if device.type == "cpu" and _cpu_computes_bf16():
         return torch.bfloat16
     return torch.float32
 
 
-def _cpu_has_amx() -> bool:
+def _cpu_computes_bf16() -> bool:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as info:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
+            flags = next((line.split() for line in info if line.startswith("flags")), [])
+            return "amx_bf16" in flags or "avx512_bf16" in flags
     except OSError:  # not Linux: no way to tell cheaply, stay with fp32
         return False
 
