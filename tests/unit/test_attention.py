@@ -14,12 +14,12 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths
               scale: float) -> torch.Tensor:
     """float64, one sequence and one head at a time, over only the keys that exist."""
     b, heads, _ = q.shape
-    group = heads // keys.shape[1]
+    group = heads // keys.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
     for i in range(b):
         for h in range(heads):
-            k = keys[i, h // group, : lengths[i]].double()
-            v = values[i, h // group, : lengths[i]].double()
+            k = keys[i, : lengths[i], h // group].double()
+            v = values[i, : lengths[i], h // group].double()
             out[i, h] = ((q[i, h].double() @ k.T) * scale).softmax(-1) @ v
     return out
 
@@ -30,11 +30,11 @@ def test_decode_attention_matches_a_naive_reference(dtype: torch.dtype) -> None:
     b, heads, kv_heads, dim, width = 5, 6, 2, 16, 48
     lengths = [1, 7, 16, 33, 48]
     q = torch.randn(b, heads, dim, dtype=dtype)
-    keys = torch.randn(b, kv_heads, width, dim, dtype=dtype)
-    values = torch.randn(b, kv_heads, width, dim, dtype=dtype)
+    keys = torch.randn(b, width, kv_heads, dim, dtype=dtype)
+    values = torch.randn(b, width, kv_heads, dim, dtype=dtype)
     # Padding past each length holds huge values: any leak through the mask shows.
     for i, n in enumerate(lengths):
-        keys[i, :, n:], values[i, :, n:] = 1e4, -1e4
+        keys[i, n:], values[i, n:] = 1e4, -1e4
     mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
     out = _decode_attention(q, keys, values, mask, dim**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
