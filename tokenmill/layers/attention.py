@@ -89,7 +89,11 @@ def _contiguous(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         end = s.start + s.num_tokens
         buf[0, s.start:end] = k[rows]
         buf[1, s.start:end] = v[rows]
-        out[rows] = _causal_sdpa(q[rows], buf[0, :end], buf[1, :end], s.start, scale)
+        if s.num_tokens == 1:  # the decode kernel the paged layout uses, so an A/B compares layouts, not kernels
+            every_key = torch.ones(1, 1, 1, end, dtype=torch.bool, device=q.device)
+            out[rows] = _decode_attention(q[rows], buf[0, :end][None], buf[1, :end][None], every_key, scale)
+        else:
+            out[rows] = _causal_sdpa(q[rows], buf[0, :end], buf[1, :end], s.start, scale)
         row += s.num_tokens
     return out
 

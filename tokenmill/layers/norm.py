@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -11,7 +12,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 whatever the compute dtype, as the reference implementations do.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # PyTorch's fused kernel: one op instead of eight, statistics in fp32 whatever the compute dtype; in fp32
+        # bitwise equal to the reference formula, in bf16 closer to exact (it rounds once, not twice).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
