@@ -18,6 +18,9 @@ PACK_FOR_ROWS = 32
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
+    # Private ops (inductor's CPU path uses them): a torch without them loads the plain Linears instead.
+    if not all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
+        return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
