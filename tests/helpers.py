@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import torch
 import uvicorn
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
@@ -20,6 +21,7 @@ from gguf.quants import quantize
 from tokenmill.api.app import create_app
 from tokenmill.api.guards import ServingState
 from tokenmill.api.server import TokenmillServer
+from tokenmill.cache.kv_cache import PagedKVCache, SequenceSlice
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.loader import LoadedModel
@@ -108,6 +110,17 @@ async def _generate(engine: Engine, prompts: list[list[int]], params: list[Sampl
 def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     """Submit several sequences at once (so they share engine steps) and return their token ids."""
     return asyncio.run(_generate(engine, prompts, params))
+
+
+def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prompt, prefilled whole on the model's device, returned on the CPU."""
+    cache = PagedKVCache(loaded.config, loaded.dtype, loaded.device, num_blocks=len(ids) // 16 + 1, block_size=16)
+    assert cache.reserve(0, len(ids), len(ids))
+    with torch.inference_mode():
+        meta = cache.prepare([SequenceSlice(0, 0, len(ids))])
+        dev = loaded.device
+        hidden = loaded.model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), meta)
+        return loaded.model.compute_logits(hidden).cpu()
 
 
 def assert_no_live_blocks(engine: Engine) -> None:

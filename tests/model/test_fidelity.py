@@ -6,26 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import _byte_to_unicode, generate, start_engine
+from helpers import _byte_to_unicode, generate, our_logits, start_engine
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from tokenmill.cache.kv_cache import PagedKVCache, SequenceSlice
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
 LOGIT_TOLERANCE = 1e-3  # measured: ~3e-5 on SmolLM2, ~1e-6 on the random models
-
-
-def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    cache = PagedKVCache(loaded.config, loaded.dtype, loaded.device, num_blocks=len(ids) // 16 + 1, block_size=16)
-    assert cache.reserve(0, len(ids), len(ids))
-    with torch.inference_mode():
-        meta = cache.prepare([SequenceSlice(0, 0, len(ids))])
-        dev = loaded.device
-        hidden = loaded.model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), meta)
-        return loaded.model.compute_logits(hidden).cpu()
 
 
 def reference_greedy(model, ids: list[int], steps: int) -> list[int]:

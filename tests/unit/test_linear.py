@@ -6,19 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import our_logits
 from torch import nn
 
-from tokenmill.cache.kv_cache import PagedKVCache, SequenceSlice
 from tokenmill.layers.linear import PackedLinear, can_prepack
-from tokenmill.loader import LoadedModel, load_model
-
-
-def logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    cache = PagedKVCache(loaded.config, loaded.dtype, loaded.device, num_blocks=4, block_size=16)
-    assert cache.reserve(0, len(ids), len(ids))
-    with torch.inference_mode():
-        hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache.prepare([SequenceSlice(0, 0, len(ids))]))
-        return loaded.model.compute_logits(hidden)
+from tokenmill.loader import load_model
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -31,6 +23,6 @@ def test_prepacked_model_matches_the_plain_one(tiny_gguf: Path, dtype: str) -> N
     assert isinstance(packed.model.lm_head, PackedLinear)  # the tied head too
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
     ids = list(range(3, 250, 9))
-    ours, ref = logits(packed, ids), logits(plain, ids)
+    ours, ref = our_logits(packed, ids), our_logits(plain, ids)
     tolerance = 1e-4 if dtype == "float32" else 0.05  # bf16: measured bitwise equal here; an ulp elsewhere
     assert (ours - ref).abs().max().item() <= tolerance
