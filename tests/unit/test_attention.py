@@ -40,3 +40,13 @@ def test_decode_attention_matches_a_naive_reference(dtype: torch.dtype) -> None:
     assert out.shape == q.shape and out.dtype == dtype
     diff = (out.double() - reference(q, keys, values, lengths, dim**-0.5)).abs().max().item()
     assert diff < TOLERANCE[dtype], diff
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_mask_means_every_key(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    q = torch.randn(1, 6, 16, dtype=dtype)
+    keys, values = torch.randn(1, 20, 2, 16, dtype=dtype), torch.randn(1, 20, 2, 16, dtype=dtype)
+    every_key = torch.ones(1, 1, 1, 20, dtype=torch.bool)
+    assert torch.equal(_decode_attention(q, keys, values, None, 0.25),
+                       _decode_attention(q, keys, values, every_key, 0.25))

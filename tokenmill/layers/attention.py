@@ -7,6 +7,8 @@ Contiguous: every sequence attends on its own over its buffer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -29,10 +31,19 @@ def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
     )[0].transpose(0, 1)
 
 
-def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+@functools.lru_cache(maxsize=16)
+def _head_blocks(kv_heads: int, group: int, scale: float, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For _decode_attention, built once per shape rather than in every layer of every step: [heads, kv heads] with
+    the scale where a query head reads a KV head and 0 elsewhere, and the query heads' indices."""
+    own = torch.eye(kv_heads, dtype=dtype, device=device).repeat_interleave(group, dim=0) * scale
+    return own, torch.arange(kv_heads * group, device=device)
+
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                       scale: float) -> torch.Tensor:
     """One query per sequence. q: [b, heads, dim]; keys/values: [b, length, kv heads, dim], as gathered from the
-    pool; mask: [b, 1, 1, length], True where a key exists."""
+    pool; mask: [b, 1, 1, length], True where a key exists, or None when every key does."""
     if q.dtype == torch.float32 or q.device.type != "cpu":  # SDPA: the fastest in fp32 on CPU (measured)
         return F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                                               attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
@@ -44,14 +55,15 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     b, heads, dim = q.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
-    own = torch.eye(kv_heads, dtype=q.dtype, device=q.device).repeat_interleave(group, dim=0) * scale
+    own, head = _head_blocks(kv_heads, group, scale, q.dtype, q.device)
     q_blocks = (q[:, :, None, :] * own[None, :, :, None]).reshape(b, heads, kv_heads * dim)
     scores = torch.bmm(q_blocks, keys.reshape(b, -1, kv_heads * dim).transpose(1, 2))  # [b, heads, length]
+    if mask is not None:
+        scores.masked_fill_(~mask.view(b, 1, -1), float("-inf"))
     # Softmax in the compute dtype: it accumulates in fp32 inside, and the scores are already rounded to it.
-    probs = scores.masked_fill_(~mask.view(b, 1, -1), float("-inf")).softmax(dim=-1)
+    probs = scores.softmax(dim=-1)
     # Each head's weights over every KV head's values; keep the values of its own KV head.
     mixed = torch.bmm(probs, values.reshape(b, -1, kv_heads * dim)).view(b, heads, kv_heads, dim)
-    head = torch.arange(heads, device=q.device)
     return mixed[:, head, head // group]
 
 
@@ -90,8 +102,7 @@ def _contiguous(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         buf[0, s.start:end] = k[rows]
         buf[1, s.start:end] = v[rows]
         if s.num_tokens == 1:  # the decode kernel the paged layout uses, so an A/B compares layouts, not kernels
-            every_key = torch.ones(1, 1, 1, end, dtype=torch.bool, device=q.device)
-            out[rows] = _decode_attention(q[rows], buf[0, :end][None], buf[1, :end][None], every_key, scale)
+            out[rows] = _decode_attention(q[rows], buf[0, :end][None], buf[1, :end][None], None, scale)
         else:
             out[rows] = _causal_sdpa(q[rows], buf[0, :end], buf[1, :end], s.start, scale)
         row += s.num_tokens
