@@ -27,12 +27,11 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in_features] -> [rows, out_features]."""
+        """x: [rows, in] -> [rows, out], for a weight of [out, in]."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
