@@ -111,10 +111,14 @@ async def _enumerate(lines):
         i += 1
 
 
+SOAK_SECONDS = float(os.environ.get("TOKENMILL_SOAK_SECONDS", "60"))
+
+
+@pytest.mark.timeout(180 + 2 * SOAK_SECONDS)
 def test_soak_mixed_traffic_with_disconnects(tiny4k: Path) -> None:
     """TOKENMILL_SOAK_SECONDS (default 60) of traffic; memory is measured after a first warm-up round of the same
     traffic, so allocator and cache warm-up are not counted as growth."""
-    seconds = float(os.environ.get("TOKENMILL_SOAK_SECONDS", "60"))
+    seconds = SOAK_SECONDS
     with ServerProcess(tiny4k, "--max-num-seqs", "8") as srv:
         url = srv.root_url + CHAT
         asyncio.run(_soak(url, min(20.0, seconds / 3), seed=1))
