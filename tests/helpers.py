@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import uvicorn
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 from tokenmill.api.app import create_app
 from tokenmill.api.guards import ServingState
@@ -40,14 +40,48 @@ def _byte_to_unicode() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
+# Byte offsets, inside one block, of the fp16 super-block scales of each K-quant (d, and dmin where it has one).
+_KQUANT_SCALES = {
+    GGMLQuantizationType.Q2_K: (80, 82), GGMLQuantizationType.Q3_K: (108,), GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,),
+}
+
+
+def _random_kquant(rows: int, cols: int, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks (gguf can decode them but not encode them), scaled so the weights have std 0.2."""
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // per_block, block_bytes), dtype=np.uint8)
+
+    def set_scales(value: float) -> None:
+        for offset in _KQUANT_SCALES[qtype]:
+            blocks[..., offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+
+    set_scales(1.0)
+    set_scales(0.2 / float(dequantize(blocks.reshape(rows, -1), qtype).std()))
+    return blocks.reshape(rows, -1)
+
+
+def _encode(data: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray | None:
+    """data in qtype's blocks, or None where it cannot be (not a matrix, rows not a whole number of blocks)."""
+    if qtype == GGMLQuantizationType.F32 or data.ndim != 2 or data.shape[1] % GGML_QUANT_SIZES[qtype][0]:
+        return None
+    if qtype in _KQUANT_SCALES:
+        return _random_kquant(*data.shape, qtype, rng)
+    return quantize(data, qtype)
+
+
 def write_tiny_gguf(path: Path, chat_template: str | None = CHATML, architecture: str = "llama",
                     qtype: GGMLQuantizationType = GGMLQuantizationType.F32, seed: int = 0,
-                    context_length: int = 512) -> Path:
-    """A 2-layer random-weight Llama with a byte-level BPE vocabulary (256 bytes + 3 control tokens)."""
+                    context_length: int = 512, hidden: int = 64, dequantized: bool = False) -> Path:
+    """A 2-layer random-weight Llama with a byte-level BPE vocabulary (256 bytes + 3 control tokens).
+
+    Every matrix whose rows hold whole qtype blocks is stored in qtype (hidden=256 makes that all of them for every
+    type); dequantized=True stores the same values decoded, as F32: the twin a quantized file must load equal to.
+    """
     rng = np.random.default_rng(seed)
     tokens = _byte_to_unicode() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     types = [1] * 256 + [3, 3, 3]
-    hidden, ffn, heads, kv_heads, layers = 64, 256, 4, 2, 2
+    ffn, heads, kv_heads, layers = 256, 4, 2, 2
     head_dim = hidden // heads
     writer = GGUFWriter(str(path), architecture)
     writer.add_block_count(layers)
@@ -71,10 +105,13 @@ def write_tiny_gguf(path: Path, chat_template: str | None = CHATML, architecture
     def add(name: str, *shape: int, norm: bool = False) -> None:
         data = (1.0 + 0.1 * rng.standard_normal(shape) if norm else 0.2 * rng.standard_normal(shape))
         data = data.astype(np.float32)
-        if len(shape) == 2 and qtype != GGMLQuantizationType.F32 and shape[1] % GGML_QUANT_SIZES[qtype][0] == 0:
-            writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
-        else:
+        blocks = _encode(data, qtype, rng)
+        if blocks is None:
             writer.add_tensor(name, data)
+        elif dequantized:
+            writer.add_tensor(name, dequantize(blocks, qtype).astype(np.float32))
+        else:
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
 
     add("token_embd.weight", len(tokens), hidden)
     add("output_norm.weight", hidden, norm=True)

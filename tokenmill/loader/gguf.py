@@ -54,11 +54,10 @@ class _CheckedReader(GGUFReader):
     _MIN_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        arr = super()._get(offset, dtype, count, override_order)
-        if len(arr) != int(count):
+        if offset + int(count) * np.dtype(dtype).itemsize > len(self.data):
             raise ValueError(f"a read of {int(count)} x {np.dtype(dtype).name} at byte {offset} runs past the end "
                              f"of the file ({len(self.data)} bytes)")
-        return arr
+        return super()._get(offset, dtype, count, override_order)
 
     def _check_count(self, offset: int, count: int, min_size: int, what: str) -> None:
         if int(count) * min_size > len(self.data) - offset:
