@@ -3,44 +3,26 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tokenmill.cache.block_pool import BlockPool
+from tokenmill.cache.kv_cache import ContiguousKVCache, PagedKVCache
 from tokenmill.engine.request import Sequence, Status
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.models.config import ModelConfig
 from tokenmill.sampling import SamplingParams
 
 BLOCK = 4
+# The smallest model shape: the caches' tensors are a few floats, their bookkeeping is the real one.
+TINY = ModelConfig(architecture="llama", vocab_size=64, hidden_size=4, intermediate_size=4, num_layers=1,
+                   num_heads=1, num_kv_heads=1, head_dim=1, rms_norm_eps=1e-5, rope_theta=1e4,
+                   max_position_embeddings=4096, tie_word_embeddings=True)
+CPU = torch.device("cpu")
 
 
-class BlockKV:
-    """The paged cache's bookkeeping over a real BlockPool, without tensors."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.pool = BlockPool(num_blocks)
-        self.tables: dict[int, list[int]] = {}
-
-    def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool:
-        table = self.tables.get(seq_id, [])
-        need = -(-num_tokens // BLOCK) - len(table)
-        if need > self.pool.num_free:
-            return False
-        self.tables[seq_id] = table + self.pool.allocate(max(need, 0))
-        return True
-
-    def free(self, seq_id: int) -> None:
-        for b in self.tables.pop(seq_id, []):
-            self.pool.free(b)
-
-    def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
-        return 0
-
-    def cache(self, seq_id: int, tokens: list[int]) -> None:
-        pass
-
-
-def make(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
-    return Sequence(seq_id=seq_id, prompt_ids=[1] * prompt_len, params=SamplingParams(), max_tokens=max_tokens,
-                    detokenizer=None, sink=lambda _: None)
+def make(seq_id: int, prompt_len: int, max_tokens: int = 8, prompt: list[int] | None = None) -> Sequence:
+    return Sequence(seq_id=seq_id, prompt_ids=prompt or [1] * prompt_len, params=SamplingParams(),
+                    max_tokens=max_tokens, detokenizer=None, sink=lambda _: None)
 
 
 def run(sched: Scheduler, plan) -> None:
@@ -51,8 +33,8 @@ def run(sched: Scheduler, plan) -> None:
             item.seq.output_ids.append(5)
 
 
-def scheduler(num_blocks: int = 100, **config) -> tuple[Scheduler, BlockKV]:
-    kv = BlockKV(num_blocks)
+def scheduler(num_blocks: int = 100, prefix_caching: bool = False, **config) -> tuple[Scheduler, PagedKVCache]:
+    kv = PagedKVCache(TINY, torch.float32, CPU, num_blocks, BLOCK, prefix_caching)
     defaults = dict(max_num_seqs=8, max_num_batched_tokens=64)
     return Scheduler(SchedulerConfig(**{**defaults, **config}), kv), kv
 
@@ -225,3 +207,208 @@ def test_a_long_prompt_chunk_shrinks_as_its_context_grows() -> None:
     # 16 / (1 + context / 32): 16 at context 0, 10 at 16 (16 * 32 / 48), ... ever smaller, never zero
     assert chunks[0] == 16 and chunks[1] == 10 and chunks == sorted(chunks, reverse=True) and min(chunks) >= 1
     assert first.output_ids  # the decoder kept decoding
+
+
+def step(sched: Scheduler) -> list[tuple[int, int]]:
+    """Schedule and run one step; the plan as (seq id, tokens)."""
+    plan = sched.schedule()
+    run(sched, plan)
+    return [(p.seq.seq_id, p.num_tokens) for p in plan]
+
+
+def test_a_prompt_goes_whole_up_to_the_budget_and_a_two_token_prompt_is_not_a_decode() -> None:
+    sched, _ = scheduler(max_num_batched_tokens=16)
+    sched.add(make(0, 2))
+    assert step(sched) == [(0, 2)]
+    sched.add(make(1, 15))
+    assert step(sched) == [(0, 1), (1, 15)]  # 1 decode + 15 prompt tokens: exactly the budget
+    unchunked, _ = scheduler(max_num_batched_tokens=16, chunked_prefill=False)
+    unchunked.add(make(0, 2))
+    step(unchunked)
+    unchunked.add(make(1, 15))
+    assert step(unchunked) == [(0, 1), (1, 15)]  # whole prompts only, and this one fits exactly
+
+
+def test_decodes_lead_the_batch() -> None:
+    sched, _ = scheduler(max_num_batched_tokens=6)
+    sched.add(make(0, 8))
+    assert step(sched) == [(0, 6)]
+    sched.add(make(1, 1))
+    assert step(sched) == [(1, 1), (0, 2)]  # a 1-token prompt leads 0's last 2-token chunk
+    sched.add(make(2, 3))
+    assert step(sched) == [(0, 1), (1, 1), (2, 3)]  # in running order among themselves
+
+
+def test_the_token_budget_caps_decodes_and_what_is_left_goes_to_new_prompts() -> None:
+    sched, _ = scheduler(max_num_batched_tokens=4)
+    for i in range(6):
+        sched.add(make(i, 1))
+    assert step(sched) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert step(sched) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # the running come first: 4 and 5 wait
+    roomy, _ = scheduler(max_num_batched_tokens=5)
+    for i in range(4):
+        roomy.add(make(i, 1))
+    step(roomy)
+    roomy.add(make(9, 30))
+    assert step(roomy) == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 1)]  # the one token left is a chunk
+    for _ in range(3):
+        assert sum(n for _, n in step(roomy)) == 5
+
+
+def test_a_prompt_at_the_threshold_is_short_and_one_past_it_is_long() -> None:
+    sched, _ = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=10, long_prefill_chunk=4)
+    sched.add(make(0, 1))
+    step(sched)
+    sched.add(make(1, 10))
+    sched.add(make(2, 11))
+    assert step(sched) == [(0, 1), (1, 10), (2, 4)]
+
+
+def test_long_prompts_are_charged_for_their_context() -> None:
+    # crossover 8: a prompt token at context c costs 1 + c / 8 of the cap of 16
+    sched, _ = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=4, long_prefill_chunk=16,
+                         attention_crossover=8)
+    sched.add(make(0, 1))
+    step(sched)
+    sched.add(make(1, 100))
+    assert step(sched) == [(0, 1), (1, 16)]  # alone, at context 0: the whole cap
+    sched.add(make(2, 100))
+    # 1, at context 16, costs 3 a token: 5 tokens (15 of 16); 2, at context 0, gets the 1 left
+    assert step(sched) == [(0, 1), (2, 1), (1, 5)]
+
+
+def test_a_long_prompt_left_without_budget_does_not_hold_up_the_sequences_after_it() -> None:
+    # crossover 4: a prompt token at context c costs 1 + c / 4 of the cap of 4
+    sched, _ = scheduler(long_prefill_token_threshold=4, long_prefill_chunk=4, attention_crossover=4)
+    sched.add(make(0, 1))
+    step(sched)
+    sched.add(make(1, 200))
+    step(sched)
+    step(sched)
+    sched.add(make(2, 200))
+    assert dict(step(sched))[2] == 1  # 1, at context 6, left 1.5 of the cap: 2 starts
+    sched.add(make(3, 1))
+    skipped = 0
+    for _ in range(16):
+        plan = dict(step(sched))
+        # the decodes never wait, and the first long prompt advances even when one of its tokens costs more than
+        # the whole cap (context 16 and beyond)
+        assert plan[0] == 1 and plan[3] == 1 and plan[1] >= 1
+        skipped += 2 not in plan
+    assert skipped  # 2, behind 1, found the cap spent
+
+
+def test_contiguous_kv_is_reserved_for_the_prompt_and_every_token_it_may_generate() -> None:
+    kv = ContiguousKVCache(TINY, torch.float32, CPU, capacity_tokens=30)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    sched.add(make(0, 6, max_tokens=10))
+    sched.add(make(1, 6, max_tokens=9))
+    sched.add(make(2, 6, max_tokens=1))
+    assert step(sched) == [(0, 6)]  # 16 of 30 reserved; 1 needs 15: it waits, and nobody overtakes it
+    assert kv.buffers[0].shape[2] == 16
+    sched.finish(sched.running[0], "stop")
+    assert step(sched) == [(1, 6), (2, 6)] and kv.usage() == (15 + 7) / 30
+
+
+def test_preemption_takes_the_newest_admits_nobody_that_step_and_is_counted_once() -> None:
+    sched, kv = scheduler(num_blocks=7)
+    seqs = [make(i, 7, max_tokens=12) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    assert sched.num_preemptions == 0 and step(sched) == [(0, 7), (1, 7), (2, 7)]
+    sched.add(make(3, 1))
+    assert step(sched) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # 7 blocks: all taken
+    plan = sched.schedule()  # 0 and 1 need a third block: 3, then 2, the newest, give theirs back
+    assert [(p.seq.seq_id, p.num_tokens) for p in plan] == [(0, 1), (1, 1)]
+    assert sched.num_preemptions == 2 and [s.seq_id for s in sched.waiting] == [2, 3]
+    assert kv.pool.num_free == 1  # 2's 2 blocks and 3's 1 freed, 2 taken: nobody new was admitted
+    run(sched, plan)
+    preempted = 2
+    while sched.has_work():
+        before = list(sched.running)
+        plan = sched.schedule()
+        preempted += sum(s.status == Status.WAITING for s in before)
+        run(sched, plan)
+        for s in list(sched.running):
+            if len(s.output_ids) >= s.max_tokens:
+                sched.finish(s, "length")
+    assert sched.num_preemptions == preempted and kv.pool.num_free == 7
+
+
+def prefix_scheduler(num_blocks: int = 32, **config) -> tuple[Scheduler, PagedKVCache]:
+    return scheduler(num_blocks, prefix_caching=True, **config)
+
+
+def tokens(start: int, count: int) -> list[int]:
+    return list(range(start, start + count))
+
+
+def test_a_prompt_is_shareable_as_soon_as_its_prefill_ends() -> None:
+    sched, kv = prefix_scheduler(max_num_batched_tokens=8)
+    first = make(0, 0, prompt=tokens(10, 13))
+    sched.add(first)
+    assert step(sched) == [(0, 8)]
+    assert kv.prefix_cache.num_blocks == 0  # half a prompt is not shared
+    assert step(sched) == [(0, 5)]
+    assert kv.prefix_cache.num_blocks == 3  # the prompt's 3 full blocks, while it still runs
+    sched.add(second := make(1, 0, prompt=tokens(10, 12) + [99]))
+    assert step(sched) == [(0, 1), (1, 1)] and second.num_cached_tokens == 12
+    assert kv.pool.refs(kv.tables[1][0]) == 3  # the first, the second and the tree share a block
+
+
+def test_what_a_finished_sequence_computed_is_cached_unless_it_failed() -> None:
+    for reason, cached in (("stop", 12), ("abort", 12), ("error", 4)):
+        sched, kv = prefix_scheduler()
+        done = make(0, 0, prompt=tokens(10, 6), max_tokens=20)
+        sched.add(done)
+        for _ in range(9):
+            step(sched)  # the prompt, then 8 tokens: 14 computed, the 15th not yet
+        sched.finish(done, reason)
+        assert done.finish_reason == reason and kv.num_sequences == 0
+        again = make(1, 0, prompt=done.tokens(0, done.num_tokens) + [99])
+        sched.add(again)
+        step(sched)
+        assert again.num_cached_tokens == cached, reason  # a failed step's KV is not trusted
+
+
+def test_prefix_hits_are_counted_once_per_request_and_never_cover_the_last_token() -> None:
+    sched, kv = prefix_scheduler()
+    sched.add(make(0, 0, prompt=tokens(10, 8)))
+    step(sched)
+    sched.add(repeat := make(1, 0, prompt=tokens(10, 8)))  # all 8 cached, but the last token must run
+    sched.add(longer := make(2, 0, prompt=tokens(10, 9)))
+    assert step(sched) == [(0, 1), (2, 1), (1, 4)]
+    assert (repeat.num_cached_tokens, longer.num_cached_tokens) == (4, 8)
+    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (25, 12)
+    sched._preempt(repeat)  # resumed later: its cache hit again is not a new lookup
+    step(sched)
+    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (25, 12) and repeat.num_cached_tokens == 4
+
+
+def test_a_prompt_that_does_not_fit_drops_its_prefix_references() -> None:
+    sched, kv = prefix_scheduler(num_blocks=5)
+    shared = tokens(10, 8)
+    sched.add(make(0, 0, prompt=shared))
+    step(sched)
+    blocks = kv.tables[0]
+    sched.add(big := make(1, 0, prompt=shared + tokens(50, 12)))  # 3 more blocks: 2 left after the hit
+    assert step(sched) == [(0, 1)]
+    assert big.num_computed_tokens == 0 and 1 not in kv.tables
+    assert [kv.pool.refs(b) for b in blocks] == [2, 2]  # the first sequence and the tree
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_a_failed_batch_reruns_each_sequence_alone_with_its_whole_length(layout: str) -> None:
+    kv = (PagedKVCache(TINY, torch.float32, CPU, 64, BLOCK) if layout == "paged"
+          else ContiguousKVCache(TINY, torch.float32, CPU, 200))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    seqs = [make(i, 6, max_tokens=10) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(3):
+        step(sched)
+    sched.isolate([p.seq for p in sched.schedule()])
+    assert kv.num_sequences == 0
+    assert step(sched) == [(0, 9)]  # prompt and output so far, from scratch
+    assert seqs[0].status == Status.RUNNING and seqs[0] in sched.running and kv.num_sequences == 1
+    assert kv.usage() == (3 / 64 if layout == "paged" else 16 / 200)

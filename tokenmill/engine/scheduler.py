@@ -78,7 +78,11 @@ class Scheduler:
             return todo if todo <= budget or budget == self.config.max_num_batched_tokens else 0
         if long_budget is None or not self._is_long(seq):
             return min(todo, budget)
-        return max(0, min(todo, budget, int(long_budget / self._token_weight(seq))))
+        if long_budget <= 0:
+            return 0
+        # At least one token while any of the budget is left: a prompt so deep in its context that one token
+        # costs more than the whole cap still advances, rather than waiting until nobody decodes.
+        return min(todo, budget, max(1, int(long_budget / self._token_weight(seq))))
 
     def _is_long(self, seq: Sequence) -> bool:
         """Long by its whole length, so that the tail of a long prompt (deep in its context, the costliest
