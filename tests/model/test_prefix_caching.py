@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-from helpers import generate, start_engine
+import asyncio
+from pathlib import Path
 
-from tokenmill.loader import LoadedModel
+import pytest
+from helpers import assert_no_live_blocks, generate, start_engine
+
+from tokenmill.loader import LoadedModel, load_model
 from tokenmill.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -63,14 +66,48 @@ def test_concurrent_requests_with_a_shared_prefix_under_pool_pressure(smollm: Lo
     prompts = [base + smollm.tokenizer.encode(f" Tell me about city number {i}.") for i in range(8)]
     params = [greedy() for _ in prompts]
     reference = generate_with(smollm, prompts, params, prefix_caching=False)
-    # a pool of 24 blocks: the cache must give way (evict) rather than starve the requests
-    engine = start_engine(smollm, kv_cache_memory=str(24 * 16 * 46080), block_size=16)
+    # 12 blocks of 16: the shared 4 and room for about 2 requests' own; the 8 requests cache ~28 blocks in all
+    engine = start_engine(smollm, kv_cache_memory=str(12 * 16 * 46080), block_size=16)
     try:
         assert generate(engine, prompts, params) == reference
+        tree = engine.kv_cache.prefix_cache
+        first = prompts[0] + reference[0]
+        assert len(tree.match(first[:-1])) < (len(first) - 1) // 16  # evicted to make room for later requests
         assert generate(engine, prompts[:2], params[:2]) == reference[:2]
-        assert engine.kv_cache.usage() == 0
+        assert_no_live_blocks(engine)
     finally:
         engine.stop()
+
+
+def test_exact_repeats_of_whole_blocks(tiny_gguf: Path) -> None:
+    """A prompt of exactly 1, 2 or 8 blocks, sent again: all but its last block comes from the cache (the last
+    token must run for its logits), and the answer is the one computed without the cache."""
+    tiny = load_model(str(tiny_gguf), dtype="float32", device="cpu")
+    prompts = [[(7 * i + n) % 250 for i in range(16 * n)] for n in (1, 2, 8)]
+    cached = start_engine(tiny, block_size=16)
+    plain = start_engine(tiny, block_size=16, prefix_caching=False)
+    try:
+        for prompt in prompts:
+            expected = run_one(plain, prompt)
+            assert run_one(cached, prompt) == (expected[0], 0)
+            assert run_one(cached, prompt) == (expected[0], len(prompt) - 16)
+        assert_no_live_blocks(cached)
+    finally:
+        cached.stop()
+        plain.stop()
+
+
+def run_one(engine, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens and the prompt tokens the cache supplied."""
+
+    async def collect() -> tuple[list[int], int]:
+        ids, cached = [], -1
+        async for out in engine.submit(prompt, greedy()):
+            ids += out.token_ids
+            cached = out.cached_tokens
+        return ids, cached
+
+    return asyncio.run(collect())
 
 
 def generate_with(smollm: LoadedModel, prompts, params, **config) -> list[list[int]]:

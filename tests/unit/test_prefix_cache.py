@@ -94,3 +94,75 @@ def test_insert_of_a_known_prefix_changes_nothing() -> None:
     other = blocks_for(pool, a)
     tree.insert(a[:8], other)
     assert tree.match(a) == blocks and all(pool.refs(b) == 1 for b in other)
+
+
+def release(pool: BlockPool, blocks: list[int]) -> None:
+    """The request that held blocks finishes: only the tree's references remain."""
+    for b in blocks:
+        pool.free(b)
+
+
+def test_prompts_of_whole_blocks_match_to_their_end() -> None:
+    tree, pool = cache()
+    for n in (1, 2, 8):
+        a = [1000 * n + t for t in range(n * BS)]
+        blocks = blocks_for(pool, a)
+        tree.insert(a, blocks)
+        assert tree.match(a) == blocks
+        assert tree.match(a[:-1]) == blocks[:-1]
+
+
+def test_a_three_way_split_keeps_every_branch() -> None:
+    tree, pool = cache()
+    a = list(range(16))
+    b = a[:4] + [50] * 12  # leaves a after one block
+    c = a[:12] + [60] * 4  # leaves a after three blocks, below the first split
+    held = [blocks_for(pool, s) for s in (a, b, c)]
+    for s, blocks in zip((a, b, c), held, strict=True):
+        tree.insert(s, blocks)
+    assert tree.match(a) == held[0]
+    assert tree.match(b) == held[0][:1] + held[1][1:]
+    assert tree.match(c) == held[0][:3] + held[2][3:]
+    assert tree.num_blocks == 4 + 3 + 1
+
+
+def test_everything_unpinned_can_be_evicted_after_splits_and_repeats() -> None:
+    tree, pool = cache(num_blocks=16)
+    a = list(range(16))
+    b = a[:8] + [50] * 8
+    held = [blocks_for(pool, s) for s in (a, b)]
+    tree.insert(a, held[0])
+    tree.insert(b, held[1])
+    tree.insert(a, held[0])  # a repeat, and a known prefix: neither adds a node
+    tree.insert(a[:8], held[0][:2])
+    for blocks in held:
+        release(pool, blocks)
+    assert tree.num_blocks == 6 and pool.num_free == 10
+    assert tree.evict(100) == 6  # the two leaves, then the shared part once it is a leaf
+    assert tree.num_blocks == 0 and pool.num_free == 16 and not tree.root.children
+
+
+def test_eviction_frees_exactly_what_is_asked_oldest_leaf_first() -> None:
+    tree, pool = cache(num_blocks=16)
+    seqs = [[i * 100 + t for t in range(n * BS)] for i, n in enumerate((2, 3, 2))]
+    for s in seqs:  # inserted in this order, never matched since
+        blocks = blocks_for(pool, s)
+        tree.insert(s, blocks)
+        release(pool, blocks)
+    assert tree.evict(3) == 3 and pool.num_free == 16 - 7 + 3
+    assert tree.match(seqs[0]) == []  # the oldest went whole, then one block of the next
+    assert len(tree.match(seqs[1])) == 2 and len(tree.match(seqs[2])) == 2
+
+
+def test_eviction_takes_leaves_never_a_shared_inner_block() -> None:
+    tree, pool = cache(num_blocks=16)
+    a = list(range(8))
+    b = a[:4] + [50] * 4
+    held = [blocks_for(pool, s) for s in (a, b)]
+    for s, blocks in zip((a, b), held, strict=True):
+        tree.insert(s, blocks)  # b's insert splits a's edge: the shared block is as recent as b's tail
+        release(pool, blocks)
+    assert tree.evict(1) == 1  # a's tail, the oldest
+    assert tree.evict(1) == 1  # b's tail: the shared block is not a leaf until then
+    assert tree.match(a) == tree.match(b) == held[0][:1]
+    assert tree.evict(2) == 1 and tree.num_blocks == 0 and pool.num_free == 16

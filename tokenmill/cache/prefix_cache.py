@@ -38,10 +38,8 @@ class RadixCache:
         """Blocks holding the longest cached prefix of tokens (whole blocks only), marked as just used."""
         node, at, blocks = self.root, 0, []
         now = next(self._clock)
-        while len(tokens) - at >= self.block_size:
-            child = node.children.get(self._key(tokens, at))
-            if child is None:
-                break
+        # A key shorter than a block (the tokens' partial tail) matches no child: only full blocks are cached.
+        while (child := node.children.get(self._key(tokens, at))) is not None:
             shared = self._shared_blocks(child, tokens, at)
             blocks += child.blocks[:shared]
             child.last_access = now
@@ -51,19 +49,18 @@ class RadixCache:
         return blocks
 
     def _shared_blocks(self, node: Node, tokens: list[int], at: int) -> int:
-        """How many of node's blocks tokens[at:] matches in full."""
-        bs, count = self.block_size, 0
-        while count < len(node.blocks) and len(tokens) - at - count * bs >= bs:
-            if tuple(tokens[at + count * bs: at + (count + 1) * bs]) != node.tokens[count * bs:(count + 1) * bs]:
-                break
-            count += 1
-        return count
+        """How many of node's blocks tokens[at:] matches in full (a partial block of tokens matches none)."""
+        bs = self.block_size
+        for i in range(len(node.blocks)):
+            if tuple(tokens[at + i * bs:at + (i + 1) * bs]) != node.tokens[i * bs:(i + 1) * bs]:
+                return i
+        return len(node.blocks)
 
     def _split(self, node: Node, num_blocks: int) -> Node:
-        """Cut node's edge after num_blocks blocks; returns the new upper node (node becomes its child)."""
+        """Cut node's edge after num_blocks blocks; returns the new upper node (node becomes its child). The caller
+        marks the upper node used: it is on the path being inserted."""
         cut = num_blocks * self.block_size
-        upper = Node(tokens=node.tokens[:cut], blocks=node.blocks[:num_blocks], parent=node.parent,
-                     last_access=node.last_access)
+        upper = Node(tokens=node.tokens[:cut], blocks=node.blocks[:num_blocks], parent=node.parent)
         node.parent.children[self._key(upper.tokens)] = upper
         node.tokens, node.blocks, node.parent = node.tokens[cut:], node.blocks[num_blocks:], upper
         upper.children[self._key(node.tokens)] = node
@@ -133,6 +130,3 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
-
-    def clear(self) -> None:
-        self.evict(self.num_blocks)
