@@ -21,8 +21,21 @@ def logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+def new_sampler(seed: int = 0) -> Sampler:
+    return Sampler({EOS}, torch.device("cpu"), seed)
+
+
+def probabilities(*head: float) -> torch.Tensor:
+    """[1, VOCAB] logits whose softmax is head, then (almost) nothing."""
+    return torch.log(torch.tensor([[*head] + [1e-12] * (VOCAB - len(head))]))
+
+
+def draws(s: Sampler, x: torch.Tensor, seq: Sequence, n: int = 300) -> set[int]:
+    return {s(x.clone(), [seq])[0][0] for _ in range(n)}
+
+
 def test_greedy_is_argmax_and_top_k_1_is_greedy() -> None:
-    sampler = Sampler({EOS}, torch.device("cpu"))
+    sampler = new_sampler()
     x = logits(4)
     greedy, _ = sampler(x.clone(), [seq(i, temperature=0.0) for i in range(4)])
     assert greedy == x.argmax(-1).tolist()
@@ -35,7 +48,7 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
 
     def draws(batch_of: int, n: int = 20) -> list[int]:
         """n draws of a seed-42 sequence sitting last in a batch with other, unseeded sequences."""
-        sampler = Sampler({EOS}, torch.device("cpu"), seed=batch_of)
+        sampler = new_sampler(seed=batch_of)
         mine = seq(batch_of, seed=42)
         others = [seq(i, top_p=0.5) for i in range(batch_of)]
         batch = torch.cat([logits(batch_of, seed=5), x]) if batch_of else x
@@ -48,7 +61,7 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
 
 def test_sampling_follows_the_distribution() -> None:
     x = torch.log(torch.tensor([[0.7, 0.2, 0.1] + [1e-9] * (VOCAB - 3)]))
-    sampler = Sampler({EOS}, torch.device("cpu"))
+    sampler = new_sampler()
     s = seq(seed=3)
     counts = torch.zeros(VOCAB)
     for _ in range(2000):
@@ -59,7 +72,7 @@ def test_sampling_follows_the_distribution() -> None:
 
 def test_top_p_and_min_p_cut_the_tail() -> None:
     x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (VOCAB - 4)]))
-    sampler = Sampler({EOS}, torch.device("cpu"))
+    sampler = new_sampler()
     top_p, min_p = seq(seed=1, top_p=0.75), seq(seed=1, min_p=0.5)
     seen_p = {sampler(x.clone(), [top_p])[0][0] for _ in range(300)}
     seen_min = {sampler(x.clone(), [min_p])[0][0] for _ in range(300)}
@@ -68,7 +81,7 @@ def test_top_p_and_min_p_cut_the_tail() -> None:
 
 
 def test_logit_bias_penalties_and_min_tokens() -> None:
-    sampler = Sampler({EOS}, torch.device("cpu"))
+    sampler = new_sampler()
     x = torch.zeros(1, VOCAB)
     x[0, EOS] = 5.0
     assert sampler(x.clone(), [seq(temperature=0.0, logit_bias={11: 100.0})])[0] == [11]
@@ -85,10 +98,100 @@ def test_logit_bias_penalties_and_min_tokens() -> None:
 
 
 def test_logprobs_are_of_the_raw_distribution() -> None:
-    sampler = Sampler({EOS}, torch.device("cpu"))
+    sampler = new_sampler()
     x = logits(2)
     tokens, lps = sampler(x.clone(), [seq(0, temperature=0.0, logprobs=3), seq(1, temperature=0.0)])
     assert lps[1] is None
     expected = x[0].log_softmax(-1)
     assert abs(lps[0].logprob - expected[tokens[0]].item()) < 1e-5
     assert [t for t, _ in lps[0].top] == expected.topk(3).indices.tolist()
+
+
+def test_penalties_and_bias_move_the_winner() -> None:
+    s = new_sampler()
+    x = torch.zeros(1, VOCAB)
+    x[0, 3], x[0, 4] = 5.0, 4.0
+    assert s(x.clone(), [seq(temperature=0.0, logit_bias={4: 2.0})])[0] == [4]  # 6 > 5: added, not set
+    assert s(x.clone(), [seq(temperature=0.0, logit_bias={3: -2.0})])[0] == [4]
+    assert s(x.clone(), [seq(temperature=0.0, presence_penalty=2.0, output=[3])])[0] == [4]  # seen once
+    assert s(x.clone(), [seq(temperature=0.0, frequency_penalty=1.0, output=[3, 3])])[0] == [4]
+    assert s(x.clone(), [seq(temperature=0.0, presence_penalty=2.0, output=[3, 3, 3])])[0] == [4]  # once, not 3x
+    assert s(x.clone(), [seq(temperature=0.0, presence_penalty=0.5, output=[3, 3])])[0] == [3]  # 4.5 > 4
+    x[0, 0] = 6.0  # token 0 is a token like any other, not padding
+    assert s(x.clone(), [seq(temperature=0.0, frequency_penalty=1.5, output=[0, 0])])[0] == [3]
+
+
+def test_repetition_penalty_shrinks_small_positive_logits_and_grows_negative_ones() -> None:
+    s = new_sampler()
+    x = torch.full((1, VOCAB), -5.0)
+    x[0, 3], x[0, 4] = 0.5, 0.4
+    assert s(x.clone(), [seq(temperature=0.0, repetition_penalty=2.0, prompt=[3])])[0] == [4]  # 0.25 < 0.4
+    x[0, 3], x[0, 4] = -0.5, -0.6
+    assert s(x.clone(), [seq(temperature=0.0, repetition_penalty=2.0, prompt=[3])])[0] == [4]  # -1.0 < -0.6
+    assert s(x.clone(), [seq(temperature=0.0, repetition_penalty=0.5, prompt=[4])])[0] == [4]  # -0.3 > -0.5
+
+
+def test_top_p_keeps_the_smallest_head_that_reaches_it() -> None:
+    s = new_sampler()
+    x = probabilities(0.5, 0.25, 0.125, 0.125)
+    assert draws(s, x, seq(seed=1, top_p=0.75)) == {0, 1}  # 0.5 + 0.25 reaches 0.75: 2 is out
+    assert draws(s, x, seq(seed=1, top_p=0.76)) == {0, 1, 2}
+
+
+def test_top_k_alone_and_beside_top_p() -> None:
+    s = new_sampler()
+    flat = torch.zeros(1, VOCAB)
+    assert len(draws(s, flat, seq(seed=2, top_k=3), n=200)) == 3
+    batch = [seq(0, seed=2, top_k=3), seq(1, seed=3, top_p=0.5)]
+    seen = {s(flat.clone().repeat(2, 1), batch)[0][0] for _ in range(200)}
+    assert len(seen) == 3
+
+
+def test_min_p_is_relative_to_each_rows_best_token() -> None:
+    s = new_sampler()
+    x = torch.cat([probabilities(0.5, 0.25, 0.2, 0.05), probabilities(0.2, 0.2, 0.2, 0.2, 0.2)])
+    batch = [seq(0, seed=4, min_p=0.5), seq(1, seed=5, min_p=0.5)]
+    seen: list[set[int]] = [set(), set()]
+    for _ in range(300):
+        for row, token in enumerate(s(x.clone(), batch)[0]):
+            seen[row].add(token)
+    assert seen == [{0, 1}, {0, 1, 2, 3, 4}]  # 0.25 is half the best: kept
+
+
+def test_the_last_token_of_the_vocabulary_can_be_drawn() -> None:
+    x = torch.zeros(1, VOCAB)
+    x[0, -1] = 8.0
+    assert draws(new_sampler(), x, seq(seed=6), n=50) == {VOCAB - 1}
+
+
+def test_unseeded_requests_draw_from_the_servers_seed() -> None:
+    x = logits(1) / 3
+
+    def sample(server_seed: int) -> list[int]:
+        s = new_sampler(server_seed)
+        return [s(x.clone(), [seq()])[0][0] for _ in range(20)]
+
+    assert sample(5) == sample(5) != sample(6)
+
+
+def test_every_tensor_is_made_on_the_logits_device() -> None:
+    """A tensor made without a device lands on the default one: make that a device nothing else is on (meta), and
+    any tensor the sampler forgets to place beside the logits (on a GPU, the host) makes the step fail."""
+    s = new_sampler()
+    batch = [seq(0, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=1, logit_bias={4: 1.0}, min_tokens=3,
+                 frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.2, logprobs=2, output=[1, 2]),
+             seq(1, temperature=1.0, logprobs=0), seq(2, temperature=0.0)]
+    x = logits(3)
+    with torch.device("meta"):
+        tokens, lps = s(x.clone(), batch)
+    assert len(tokens) == 3 and tokens[2] == x[2].argmax().item() and lps[2] is None
+
+
+def test_logprobs_for_every_row_with_k_of_zero() -> None:
+    x = logits(2)
+    tokens, lps = new_sampler()(x.clone(), [seq(0, temperature=0.0, logprobs=0), seq(1, seed=3, logprobs=1)])
+    expected = x.log_softmax(-1)
+    for row in range(2):
+        assert lps[row].token_id == tokens[row]
+        assert abs(lps[row].logprob - expected[row, tokens[row]].item()) < 1e-5
+    assert lps[0].top == [] and [t for t, _ in lps[1].top] == [expected[1].argmax().item()]

@@ -14,12 +14,9 @@ _NEG_INF = float("-inf")
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Ragged id lists as one [rows, longest] tensor, padded with -1."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device)
+    """Ragged id lists as one [rows, longest] tensor, padded with -1 (one column of padding if all are empty)."""
+    width = max(max(len(r) for r in rows), 1)
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
 
 
 def _occurrences(ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -30,9 +27,9 @@ def _occurrences(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], device: torch.device, seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: set[int], device: torch.device, seed: int) -> None:
+        """seed: the stream of the requests that bring no seed of their own."""
         self.eos_token_ids = sorted(eos_token_ids)
-        self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()
@@ -105,13 +102,11 @@ class Sampler:
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob | None]:
         wanted = [s.params.logprobs for s in seqs]
-        if all(k is None for k in wanted):
-            return [None] * len(seqs)
         # Logprobs of the model's own distribution, before temperature, penalties and filters (as vLLM reports).
         logprobs = raw.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         k_max = max(k for k in wanted if k is not None)
-        top_vals, top_ids = logprobs.topk(max(k_max, 1), dim=-1)
+        top_vals, top_ids = logprobs.topk(k_max, dim=-1)
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         out: list[TokenLogprob | None] = []
         for i, k in enumerate(wanted):
