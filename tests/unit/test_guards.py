@@ -1,0 +1,169 @@
+"""The request guard as plain ASGI: what reaches the app, what is refused before it, and with which error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tokenmill.api.guards import RequestGuard, ServingState, error_body, json_depth
+
+LIMIT = 64  # body bytes
+DEPTH = 4
+
+
+class App:
+    """Records the body it was given and what the channel said after it; answers 200."""
+
+    def __init__(self) -> None:
+        self.body: bytes | None = None
+        self.after_body: str | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            chunks = []
+            while True:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+            self.body = b"".join(chunks)
+            self.after_body = (await receive())["type"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def call(guard: RequestGuard, body: bytes = b"{}", method: str = "POST", path: str = "/v1/chat/completions",
+         headers: dict[str, str] | None = None, chunk: int | None = None, declare_length: bool = True,
+         client_leaves: bool = False) -> tuple[int, dict, dict]:
+    """One request through the guard: (status, JSON error or {}, response headers)."""
+    pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)] if chunk else [body]
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)]
+    if client_leaves:
+        messages = messages[:1]
+        messages[0]["more_body"] = True
+    messages.append({"type": "http.disconnect"})
+    head = {k.lower(): v for k, v in (headers or {}).items()}
+    if declare_length:
+        head.setdefault("content-length", str(len(body)))
+    scope = {"type": "http", "method": method, "path": path,
+             "headers": [(k.encode(), v.encode()) for k, v in head.items()]}
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(guard(scope, receive, send))
+    start = sent[0]
+    payload = b"".join(m.get("body", b"") for m in sent[1:])
+    error = json.loads(payload)["error"] if start["status"] != 200 else {}
+    return start["status"], error, {k.decode(): v.decode() for k, v in start["headers"]}
+
+
+def guard(keys: tuple[str, ...] = (), state: ServingState | None = None) -> tuple[RequestGuard, App]:
+    app = App()
+    return RequestGuard(app, state or ServingState(), keys, max_body_bytes=LIMIT, max_json_depth=DEPTH), app
+
+
+def padded(size: int) -> bytes:
+    """A valid JSON body of exactly size bytes."""
+    body = b'{"a": ""}'
+    return body[:-2] + b"x" * (size - len(body)) + body[-2:]
+
+
+@pytest.mark.parametrize("text,depth", [
+    ("", 0), ("1", 0), ('"[[["', 0), ("{}", 1), ("[]", 1), ('{"a": [1, {"b": []}]}', 4), ('[[], [[]], []]', 3),
+    ('{"a": "]]]]"}', 1), ('{"a": "\\"[[[", "b": [[]]}', 3), ('["\\\\", ["]"]]', 2), ("[" * 40 + "]" * 40, 40),
+])
+def test_json_depth_counts_brackets_outside_strings(text: str, depth: int) -> None:
+    assert json_depth(text.encode()) == depth
+
+
+@pytest.mark.parametrize("declare_length,chunk", [(True, None), (False, 7)])
+def test_a_body_of_exactly_the_limit_passes_whole_and_one_byte_more_is_413(declare_length: bool, chunk) -> None:
+    g, app = guard()
+    assert call(g, padded(LIMIT), declare_length=declare_length, chunk=chunk)[0] == 200
+    assert app.body == padded(LIMIT) and app.after_body == "http.disconnect"  # then the real channel
+    g, app = guard()
+    status, error, _ = call(g, padded(LIMIT + 1), declare_length=declare_length, chunk=chunk)
+    assert status == 413 and error["code"] == "request_too_large" and str(LIMIT) in error["message"]
+    assert app.body is None
+
+
+def test_a_false_small_content_length_does_not_get_a_large_body_through() -> None:
+    g, app = guard()
+    status, _, _ = call(g, padded(LIMIT + 1), headers={"content-length": "2"}, chunk=8)
+    assert status == 413 and app.body is None
+
+
+def test_nesting_of_exactly_the_limit_passes_and_one_level_more_is_400() -> None:
+    g, app = guard()
+    assert call(g, b'{"a": [[[1]]]}')[0] == 200 and app.body == b'{"a": [[[1]]]}'
+    g, app = guard()
+    status, error, _ = call(g, b'{"a": [[[[1]]]]}')
+    assert status == 400 and error["message"] == f"the request body nests deeper than {DEPTH} levels"
+    assert app.body is None
+
+
+def test_a_client_that_leaves_while_sending_gets_nothing_run() -> None:
+    g, app = guard()
+    assert call(g, padded(40), chunk=10, client_leaves=True)[0] == 400 and app.body is None
+
+
+@pytest.mark.parametrize("header,status", [
+    (None, 401), ("Bearer k1", 200), ("Bearer k2", 200), ("bearer k1", 200), ("Bearer  k1 ", 200),
+    ("Bearer k3", 401), ("Bearer k1k2", 401), ("Bearer ", 401), ("Basic k1", 401), ("k1", 401), ("Bearerk1", 401),
+])
+def test_api_keys(header: str | None, status: int) -> None:
+    g, app = guard(keys=("k1", "k2"))
+    got, error, _ = call(g, headers={"Authorization": header} if header is not None else {})
+    assert got == status
+    if status == 401:
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert app.body is None
+
+
+def test_health_is_open_and_gets_requests_are_not_read() -> None:
+    g, app = guard(keys=("k1",))
+    assert call(g, method="GET", path="/health", body=b"")[0] == 200
+    assert call(g, method="GET", path="/v1/models", body=b"")[0] == 401
+    g, app = guard()
+    assert call(g, method="GET", path="/v1/models", body=b"[[[[[[[[", declare_length=False)[0] == 200
+
+
+@pytest.mark.parametrize("method", ["PUT", "PATCH"])
+def test_every_method_with_a_body_is_checked(method: str) -> None:
+    g, _ = guard()
+    assert call(g, padded(LIMIT + 1), method=method)[0] == 413
+
+
+def test_draining_refuses_new_requests_but_not_health() -> None:
+    state = ServingState()
+    g, app = guard(state=state)
+    state.draining = True
+    status, error, headers = call(g)
+    assert status == 503 and error["type"] == "service_unavailable"
+    assert headers["retry-after"] == "5" and headers["connection"] == "close"
+    assert call(g, method="GET", path="/health", body=b"")[0] == 200  # /health answers 503 itself
+    state.draining = False
+    assert call(g)[0] == 200
+
+
+def test_other_scopes_pass_through() -> None:
+    g, app = guard(keys=("k1",))
+    sent = []
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    asyncio.run(g({"type": "lifespan"}, None, send))
+    assert sent[0]["status"] == 200
+
+
+def test_error_body_shape() -> None:
+    assert error_body("m", "t") == {"error": {"message": "m", "type": "t", "param": None, "code": None}}
+    assert error_body("m", "t", "p", "c") == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
