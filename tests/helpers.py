@@ -10,12 +10,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import torch
 import uvicorn
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from tokenmill.api.app import create_app
@@ -70,41 +71,43 @@ def _encode(data: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Genera
     return quantize(data, qtype)
 
 
-def write_tiny_gguf(path: Path, chat_template: str | None = CHATML, architecture: str = "llama",
-                    qtype: GGMLQuantizationType = GGMLQuantizationType.F32, seed: int = 0,
-                    context_length: int = 512, hidden: int = 64, dequantized: bool = False) -> Path:
-    """A 2-layer random-weight Llama with a byte-level BPE vocabulary (256 bytes + 3 control tokens).
+TINY_TOKENS = _byte_to_unicode() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # 256 bytes + 3 controls
 
-    Every matrix whose rows hold whole qtype blocks is stored in qtype (hidden=256 makes that all of them for every
-    type); dequantized=True stores the same values decoded, as F32: the twin a quantized file must load equal to.
+
+def _put(writer: GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        (writer.add_int32 if value < 0 else writer.add_uint32)(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_string(key, value)
+
+
+def write_gguf(path: Path, architecture: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray],
+               chat_template: str | None = CHATML, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+               dequantized: bool = False, seed: int = 0, endianess: GGUFEndian = GGUFEndian.LITTLE) -> Path:
+    """A GGUF with the tiny byte-level BPE vocabulary, `architecture`.KEY metadata (None: left out) and tensors.
+
+    Every matrix whose rows hold whole qtype blocks is stored in qtype; dequantized=True stores the same values
+    decoded, as F32: the twin a quantized file must load equal to.
     """
     rng = np.random.default_rng(seed)
-    tokens = _byte_to_unicode() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    types = [1] * 256 + [3, 3, 3]
-    ffn, heads, kv_heads, layers = 256, 4, 2, 2
-    head_dim = hidden // heads
-    writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(layers)
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer = GGUFWriter(str(path), architecture, endianess=endianess)
+    for key, value in metadata.items():
+        if value is not None:
+            _put(writer, f"{architecture}.{key}", value)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
+    writer.add_token_list(TINY_TOKENS)
+    writer.add_token_types([1] * 256 + [3, 3, 3])
     writer.add_token_merges([])
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(258)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-
-    def add(name: str, *shape: int, norm: bool = False) -> None:
-        data = (1.0 + 0.1 * rng.standard_normal(shape) if norm else 0.2 * rng.standard_normal(shape))
-        data = data.astype(np.float32)
+    for name, data in tensors.items():
         blocks = _encode(data, qtype, rng)
         if blocks is None:
             writer.add_tensor(name, data)
@@ -112,24 +115,84 @@ def write_tiny_gguf(path: Path, chat_template: str | None = CHATML, architecture
             writer.add_tensor(name, dequantize(blocks, qtype).astype(np.float32))
         else:
             writer.add_tensor(name, blocks, raw_dtype=qtype)
-
-    add("token_embd.weight", len(tokens), hidden)
-    add("output_norm.weight", hidden, norm=True)
-    for i in range(layers):
-        add(f"blk.{i}.attn_norm.weight", hidden, norm=True)
-        add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
-        add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
-        add(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
-        add(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
-        add(f"blk.{i}.ffn_norm.weight", hidden, norm=True)
-        add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
-        add(f"blk.{i}.ffn_up.weight", ffn, hidden)
-        add(f"blk.{i}.ffn_down.weight", hidden, ffn)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def tiny_metadata(hidden: int = 64, context_length: int = 512, kv_heads: int = 2) -> dict[str, Any]:
+    return {"block_count": 2, "context_length": context_length, "embedding_length": hidden,
+            "feed_forward_length": 256, "attention.head_count": 4, "attention.head_count_kv": kv_heads,
+            "rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5}
+
+
+def tiny_tensors(hidden: int = 64, seed: int = 0, kv_heads: int = 2) -> dict[str, np.ndarray]:
+    """Random weights of the tiny model under their GGUF names (q and k as llama.cpp stores them)."""
+    rng = np.random.default_rng(seed)
+    ffn, heads, head_dim = 256, 4, hidden // 4
+
+    def weight(*shape: int, norm: bool = False) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(shape) if norm else 0.2 * rng.standard_normal(shape)).astype(
+            np.float32)
+
+    tensors = {"token_embd.weight": weight(len(TINY_TOKENS), hidden), "output_norm.weight": weight(hidden, norm=True)}
+    for i in range(2):
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": weight(hidden, norm=True),
+            f"blk.{i}.attn_q.weight": weight(heads * head_dim, hidden),
+            f"blk.{i}.attn_k.weight": weight(kv_heads * head_dim, hidden),
+            f"blk.{i}.attn_v.weight": weight(kv_heads * head_dim, hidden),
+            f"blk.{i}.attn_output.weight": weight(hidden, heads * head_dim),
+            f"blk.{i}.ffn_norm.weight": weight(hidden, norm=True),
+            f"blk.{i}.ffn_gate.weight": weight(ffn, hidden),
+            f"blk.{i}.ffn_up.weight": weight(ffn, hidden),
+            f"blk.{i}.ffn_down.weight": weight(hidden, ffn),
+        }
+    return tensors
+
+
+def write_tiny_gguf(path: Path, chat_template: str | None = CHATML, architecture: str = "llama",
+                    qtype: GGMLQuantizationType = GGMLQuantizationType.F32, seed: int = 0,
+                    context_length: int = 512, hidden: int = 64, dequantized: bool = False, kv_heads: int = 2,
+                    metadata: dict[str, Any] | None = None) -> Path:
+    """A 2-layer random-weight Llama with the tiny vocabulary; hidden=256 lets every type quantize every matrix.
+    metadata: changes to the architecture's metadata (None: left out)."""
+    meta = {**tiny_metadata(hidden, context_length, kv_heads), **(metadata or {})}
+    return write_gguf(path, architecture, meta, tiny_tensors(hidden, seed, kv_heads), chat_template, qtype,
+                      dequantized, seed)
+
+
+SMALL_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+
+
+def hf_configs() -> dict[str, Any]:
+    """Small transformers configs of each supported family, each with its own numerics."""
+    import transformers
+
+    return {
+        "qwen3": transformers.Qwen3Config(**SMALL_HF, head_dim=32, tie_word_embeddings=False),
+        "qwen2": transformers.Qwen2Config(**SMALL_HF, tie_word_embeddings=True),
+        "llama3-rope": transformers.LlamaConfig(**SMALL_HF, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    }
+
+
+def save_random_hf_model(folder: Path, config: Any) -> None:
+    """A random-weight transformers model of config, saved as a Hugging Face folder with a byte-level tokenizer."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(_byte_to_unicode())}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
 
 
 async def _generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:

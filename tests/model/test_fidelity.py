@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import _byte_to_unicode, generate, our_logits, start_engine
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from helpers import generate, hf_configs, our_logits, save_random_hf_model, start_engine
 
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.sampling import SamplingParams
@@ -50,35 +49,10 @@ def test_smollm2_gguf_matches_transformers(smollm: LoadedModel, smollm_path: Pat
         assert our_greedy(smollm, ids, 64) == reference_greedy(reference, ids, 64)
 
 
-def _save_random_hf_model(folder: Path, config) -> None:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(folder)
-    alphabet = _byte_to_unicode()
-    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-
-
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
-
-
-def _configs():
-    return {
-        "qwen3": transformers.Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=False),
-        "qwen2": transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
-        "llama3-rope": transformers.LlamaConfig(**SMALL, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    }
-
-
 @pytest.mark.parametrize("name", ["qwen3", "qwen2", "llama3-rope"])
 def test_random_hf_model_matches_transformers(name: str, tmp_path: Path, device: str) -> None:
-    config = _configs()[name]
-    _save_random_hf_model(tmp_path, config)
+    config = hf_configs()[name]
+    save_random_hf_model(tmp_path, config)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     loaded = load_model(str(tmp_path), dtype="float32", device=device)
     assert loaded.config.qk_norm == (name == "qwen3")

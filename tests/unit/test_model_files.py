@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader
-from helpers import our_logits, write_tiny_gguf
+import torch
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader
+from helpers import (
+    hf_configs,
+    our_logits,
+    save_random_hf_model,
+    tiny_metadata,
+    tiny_tensors,
+    write_gguf,
+    write_tiny_gguf,
+)
+from safetensors.numpy import load_file
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.loader import load_model
@@ -108,3 +120,142 @@ def test_crafted_gguf_is_refused_fast_by_our_checks(case, tmp_path: Path) -> Non
         load_model(str(path), dtype="float32", device="cpu")
     assert time.perf_counter() - started < 1.0
     assert re.search(reason, str(refused.value)), str(refused.value)
+
+
+# A count in the file, and the least bytes each of its items takes: (where the count is, where its items start)
+COUNT_BOUNDS = {
+    "metadata key": (lambda p: 16, lambda p: 24, 13),
+    "tensor": (lambda p: 8, lambda p: GGUFReader(p).tensors[0].field.offset, 24),
+    "int32 array item": (lambda p: _field_value_offset(p, "tokenizer.ggml.token_type") + 4,
+                         lambda p: _field_value_offset(p, "tokenizer.ggml.token_type") + 12, 4),
+    "string array item": (lambda p: _field_value_offset(p, "tokenizer.ggml.tokens") + 4,
+                          lambda p: _field_value_offset(p, "tokenizer.ggml.tokens") + 12, 8),
+}
+
+
+@pytest.mark.parametrize("what", COUNT_BOUNDS)
+def test_a_count_is_refused_exactly_when_its_items_cannot_fit(what: str, tmp_path: Path) -> None:
+    """The checks refuse a count at once only where even the smallest items could not fit in the bytes left: one
+    item fewer passes them (and fails later, reading what is not there)."""
+    count_at, items_at, least = COUNT_BOUNDS[what]
+    good = write_tiny_gguf(tmp_path / "good.gguf")
+    data = bytearray(good.read_bytes())
+    data += bytes(-(len(data) - items_at(good)) % least)  # the bytes left hold a whole number of smallest items
+    fits = (len(data) - items_at(good)) // least
+    label = what.split(" ", 1)[1] if "array" in what else what
+    for count, refused in ((fits, False), (fits + 1, True)):
+        _put_u64(data, count_at(good), count)
+        (tmp_path / "crafted.gguf").write_bytes(data)
+        with pytest.raises(ModelFormatError) as error:
+            load_model(str(tmp_path / "crafted.gguf"), dtype="float32", device="cpu")
+        assert bool(re.search(f"{label} count {count} at byte {items_at(good)} cannot fit", str(error.value))) \
+            == refused, str(error.value)
+
+
+# llama.cpp's tensor names for Hugging Face's (the GGUF spec; written out here, not taken from the loader)
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+GGUF_BLOCK_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Llama's q and k rows (rotate-half pairs become adjacent)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def gguf_from_hf(folder: Path, path: Path, rope_freqs: tuple[float, ...] | None) -> Path:
+    """Convert a Hugging Face folder as llama.cpp's converter would (for the families tokenmill serves)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    arch, heads, kv_heads = cfg["model_type"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    tensors = {} if rope_freqs is None else {"rope_freqs.weight": np.array(rope_freqs, np.float32)}
+    for name, value in load_file(str(folder / "model.safetensors")).items():
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        gguf_name = f"blk.{layer[1]}.{GGUF_BLOCK_NAMES[layer[2]]}" if layer else GGUF_NAMES[name]
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            value = _llama_cpp_permute(value, heads if "q_proj" in name else kv_heads)
+        tensors[gguf_name] = value.astype(np.float32)
+    rope = cfg.get("rope_parameters") or {}
+    metadata = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+                "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+                "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+                "attention.key_length": cfg.get("head_dim"), "attention.value_length": cfg.get("head_dim"),
+                "rope.freq_base": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"])}
+    return write_gguf(path, arch, metadata, tensors)
+
+
+@pytest.mark.parametrize("name", ["llama3-rope", "qwen2", "qwen3"])
+def test_a_gguf_loads_to_the_model_of_the_folder_it_was_converted_from(name: str, tmp_path: Path) -> None:
+    """Names, llama's q/k row order, biases, q/k norms, untied heads, rope_freqs and every metadata key."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841 - the folder is written by it
+    save_random_hf_model(tmp_path, hf_configs()[name])
+    folder = load_model(str(tmp_path), dtype="float32", device="cpu")
+    gguf = load_model(str(gguf_from_hf(tmp_path, tmp_path / "m.gguf", folder.config.rope_freq_factors)),
+                      dtype="float32", device="cpu")
+    if folder.config.rope_freq_factors is not None:  # stored as float32 in the GGUF
+        assert gguf.config.rope_freq_factors == pytest.approx(folder.config.rope_freq_factors, rel=1e-6)
+        gguf.config.rope_freq_factors = folder.config.rope_freq_factors
+    assert gguf.config.rms_norm_eps == pytest.approx(folder.config.rms_norm_eps, rel=1e-6)
+    gguf.config.rms_norm_eps = folder.config.rms_norm_eps
+    assert gguf.config == folder.config
+    ids = list(range(3, 250, 7))
+    assert (our_logits(gguf, ids) - our_logits(folder, ids)).abs().max().item() < 1e-5
+
+
+def test_metadata_a_file_leaves_out_takes_the_llama_cpp_defaults(tmp_path: Path) -> None:
+    optional = ("attention.head_count_kv", "attention.key_length", "attention.layer_norm_rms_epsilon",
+                "rope.freq_base", "context_length")
+    path = write_tiny_gguf(tmp_path / "m.gguf", kv_heads=4, metadata=dict.fromkeys(optional))
+    config = load_model(str(path), dtype="float32", device="cpu").config
+    assert (config.num_kv_heads, config.head_dim, config.rms_norm_eps, config.rope_theta,
+            config.max_position_embeddings) == (4, 16, 1e-6, 10000.0, 4096)
+
+
+def test_one_kv_head_loads(tmp_path: Path) -> None:
+    loaded = load_model(str(write_tiny_gguf(tmp_path / "mqa.gguf", kv_heads=1)), dtype="float32", device="cpu")
+    assert loaded.config.num_kv_heads == 1 and torch.isfinite(our_logits(loaded, [1, 2, 3])).all()
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("block_count", None, "block_count is None, not a positive integer"),
+    ("block_count", "2", "block_count is '2', not a positive integer"),
+    ("block_count", True, "block_count is True, not a positive integer"),
+    ("attention.head_count", 0, "attention.head_count is 0, not a positive integer"),
+    ("attention.head_count_kv", -2, "attention.head_count_kv is -2, not a positive integer"),
+    ("attention.key_length", 0, "attention.key_length is 0, not a positive integer"),
+    ("embedding_length", 0, "embedding_length is 0, not a positive integer"),
+    ("feed_forward_length", None, "feed_forward_length is None, not a positive integer"),
+    ("context_length", 0, "context_length is 0, not a positive integer"),
+    ("attention.layer_norm_rms_epsilon", "small", "attention.layer_norm_rms_epsilon is 'small', not a positive number"),
+    ("attention.layer_norm_rms_epsilon", 0.0, "attention.layer_norm_rms_epsilon is 0.0, not a positive number"),
+    ("rope.freq_base", -1.0, "rope.freq_base is -1.0, not a positive number"),
+    ("rope.freq_base", False, "rope.freq_base is False, not a positive number"),
+])
+def test_metadata_of_the_wrong_kind_is_a_clear_error(key: str, value, expected: str, tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "m.gguf", metadata={key: value})
+    with pytest.raises(ModelFormatError, match=f"^m.gguf: metadata llama.{re.escape(expected)}$"):
+        load_model(str(path), dtype="float32", device="cpu")
+
+
+def test_tensors_outside_the_forward_pass_are_ignored(tmp_path: Path) -> None:
+    extra = {"blk.0.attn_rot_embd": np.zeros(4, np.float32), "token_types.weight": np.zeros((2, 64), np.float32)}
+    tensors = {**extra, **tiny_tensors()}
+    with_extra = load_model(str(write_gguf(tmp_path / "x.gguf", "llama", tiny_metadata(), tensors)),
+                            dtype="float32", device="cpu")
+    plain = load_model(str(write_tiny_gguf(tmp_path / "p.gguf")), dtype="float32", device="cpu")
+    assert torch.equal(our_logits(with_extra, [1, 2, 3]), our_logits(plain, [1, 2, 3]))
+
+
+def test_a_big_endian_file_is_refused(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "be.gguf", "llama", tiny_metadata(), tiny_tensors(), endianess=GGUFEndian.BIG)
+    with pytest.raises(ModelFormatError, match="be.gguf is a big-endian GGUF file; tokenmill loads little-endian"):
+        load_model(str(path), dtype="float32", device="cpu")

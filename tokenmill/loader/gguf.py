@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFEndian, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelFormatError
@@ -90,6 +90,9 @@ class GGUFFile:
             self.reader = _CheckedReader(self.path)
         except Exception as exc:  # the reader raises bare ValueError/KeyError/RecursionError on malformed files
             raise ModelFormatError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+        if self.reader.endianess == GGUFEndian.BIG:
+            # gguf's dequantize reads tensor data as little-endian whatever the file says
+            raise ModelFormatError(f"{self.path} is a big-endian GGUF file; tokenmill loads little-endian ones")
         self.metadata: dict[str, Any] = {}
         for name, field in self.reader.fields.items():
             if name.startswith("GGUF."):
@@ -110,8 +113,8 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     tensors = {t.name: t for t in gguf.reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelFormatError(f"{gguf.path.name} has no token_embd.weight tensor")
-    hidden = _required_int(gguf, "embedding_length")
-    num_heads = _required_int(gguf, "attention.head_count")
+    hidden = _positive_int(gguf, "embedding_length")
+    num_heads = _positive_int(gguf, "attention.head_count")
     embed = tensors["token_embd.weight"]
     freq_factors = None
     if "rope_freqs.weight" in tensors:
@@ -120,14 +123,14 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         architecture=arch,
         vocab_size=int(embed.shape[1]),
         hidden_size=hidden,
-        intermediate_size=_required_int(gguf, "feed_forward_length"),
-        num_layers=_required_int(gguf, "block_count"),
+        intermediate_size=_positive_int(gguf, "feed_forward_length"),
+        num_layers=_positive_int(gguf, "block_count"),
         num_heads=num_heads,
-        num_kv_heads=int(gguf.arch_value("attention.head_count_kv", num_heads)),
-        head_dim=int(gguf.arch_value("attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(gguf.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(gguf.arch_value("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(gguf.arch_value("context_length", 4096)),
+        num_kv_heads=_positive_int(gguf, "attention.head_count_kv", num_heads),
+        head_dim=_positive_int(gguf, "attention.key_length", hidden // num_heads),
+        rms_norm_eps=_positive_float(gguf, "attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=_positive_float(gguf, "rope.freq_base", 10000.0),
+        max_position_embeddings=_positive_int(gguf, "context_length", 4096),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
@@ -136,18 +139,27 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     # The model is allocated from the metadata: it must describe the tensors the file holds, or a crafted header
     # could claim a model far larger than the file.
     in_file = sum(int(t.n_elements) for t in gguf.reader.tensors if _hf_name(t.name))
-    if config.num_parameters() != in_file or min(hidden, num_heads, config.num_kv_heads, config.head_dim) <= 0:
+    if config.num_parameters() != in_file:
         raise ModelFormatError(
             f"{gguf.path.name}: the metadata describes a model of {config.num_parameters()} weights, the file holds "
             f"{in_file}")
     return config
 
 
-def _required_int(gguf: GGUFFile, key: str) -> int:
-    value = gguf.arch_value(key)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ModelFormatError(f"{gguf.path.name}: metadata {gguf.architecture}.{key} is missing or not an integer")
+def _positive_int(gguf: GGUFFile, key: str, default: int | None = None) -> int:
+    value = gguf.arch_value(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ModelFormatError(f"{gguf.path.name}: metadata {gguf.architecture}.{key} is {value!r}, not a positive "
+                               f"integer")
     return int(value)
+
+
+def _positive_float(gguf: GGUFFile, key: str, default: float) -> float:
+    value = gguf.arch_value(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
+        raise ModelFormatError(f"{gguf.path.name}: metadata {gguf.architecture}.{key} is {value!r}, not a positive "
+                               f"number")
+    return float(value)
 
 
 def _hf_name(gguf_name: str) -> str | None:
