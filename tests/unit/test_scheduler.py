@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.cache.block_pool import BlockPool
 from tokenmill.cache.kv_cache import ContiguousKVCache, PagedKVCache
 from tokenmill.engine.request import Sequence, Status
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
@@ -31,6 +30,13 @@ def run(sched: Scheduler, plan) -> None:
     for item in plan:
         if item.seq.num_computed_tokens == item.seq.num_tokens:
             item.seq.output_ids.append(5)
+
+
+def step(sched: Scheduler) -> list[tuple[int, int]]:
+    """Schedule and run one step; the plan as (seq id, tokens)."""
+    plan = sched.schedule()
+    run(sched, plan)
+    return [(p.seq.seq_id, p.num_tokens) for p in plan]
 
 
 def scheduler(num_blocks: int = 100, prefix_caching: bool = False, **config) -> tuple[Scheduler, PagedKVCache]:
@@ -146,34 +152,6 @@ def test_a_failed_batch_is_rerun_one_sequence_at_a_time() -> None:
     assert not sched.isolated and len(sched.schedule()) == 2  # back to normal batching
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_block_pool_has_no_leak_or_double_free_under_random_cycles(seed: int) -> None:
-    import random
-
-    rng = random.Random(seed)
-    pool = BlockPool(64)
-    held: dict[int, list[int]] = {}
-    for step in range(1000):
-        action = rng.random()
-        if action < 0.45 and pool.num_free:
-            held[step] = pool.allocate(rng.randint(1, min(4, pool.num_free)))
-        elif action < 0.75 and held:  # append: grow a holder by a block
-            key = rng.choice(list(held))
-            if pool.num_free:
-                held[key] += pool.allocate(1)
-        elif held:
-            for b in held.pop(rng.choice(list(held))):
-                pool.free(b)
-        owned = [b for blocks in held.values() for b in blocks]
-        assert len(owned) == len(set(owned)) == pool.num_used
-    for blocks in held.values():
-        for b in blocks:
-            pool.free(b)
-    assert pool.num_free == 64
-    with pytest.raises(ValueError):
-        pool.free(0)
-
-
 def test_long_prompts_share_the_cap_and_short_ones_go_whole() -> None:
     sched, _ = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=10, long_prefill_chunk=8)
     first = make(0, 4)
@@ -207,13 +185,6 @@ def test_a_long_prompt_chunk_shrinks_as_its_context_grows() -> None:
     # 16 / (1 + context / 32): 16 at context 0, 10 at 16 (16 * 32 / 48), ... ever smaller, never zero
     assert chunks[0] == 16 and chunks[1] == 10 and chunks == sorted(chunks, reverse=True) and min(chunks) >= 1
     assert first.output_ids  # the decoder kept decoding
-
-
-def step(sched: Scheduler) -> list[tuple[int, int]]:
-    """Schedule and run one step; the plan as (seq id, tokens)."""
-    plan = sched.schedule()
-    run(sched, plan)
-    return [(p.seq.seq_id, p.num_tokens) for p in plan]
 
 
 def test_a_prompt_goes_whole_up_to_the_budget_and_a_two_token_prompt_is_not_a_decode() -> None:
@@ -253,6 +224,12 @@ def test_the_token_budget_caps_decodes_and_what_is_left_goes_to_new_prompts() ->
     assert step(roomy) == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 1)]  # the one token left is a chunk
     for _ in range(3):
         assert sum(n for _, n in step(roomy)) == 5
+    capped, _ = scheduler(max_num_batched_tokens=5, long_prefill_token_threshold=8, long_prefill_chunk=4)
+    for i in range(3):
+        capped.add(make(i, 1))
+    step(capped)
+    capped.add(make(9, 30))
+    assert step(capped) == [(0, 1), (1, 1), (2, 1), (9, 2)]  # the long cap is 4, the budget left 2
 
 
 def test_a_prompt_at_the_threshold_is_short_and_one_past_it_is_long() -> None:
@@ -335,6 +312,19 @@ def test_preemption_takes_the_newest_admits_nobody_that_step_and_is_counted_once
     assert sched.num_preemptions == preempted and kv.pool.num_free == 7
 
 
+def test_nobody_is_admitted_in_a_step_that_had_to_preempt() -> None:
+    sched, kv = scheduler(num_blocks=4, max_num_batched_tokens=5)
+    sched.add(first := make(0, 7, max_tokens=20))
+    sched.add(make(1, 6))
+    assert step(sched) == [(0, 5)]
+    assert step(sched) == [(0, 2), (1, 3)]
+    assert step(sched) == [(0, 1), (1, 3)] and kv.pool.num_free == 0
+    # 0 needs a third block: 1 gives back its 2; 1 could restart with a 4-token chunk in the block left, but not
+    # in the step that found memory short
+    assert step(sched) == [(0, 1)] and sched.waiting[0].seq_id == 1 and kv.pool.num_free == 1
+    assert first.num_computed_tokens == 9 and step(sched) == [(0, 1), (1, 4)]
+
+
 def prefix_scheduler(num_blocks: int = 32, **config) -> tuple[Scheduler, PagedKVCache]:
     return scheduler(num_blocks, prefix_caching=True, **config)
 
@@ -411,4 +401,7 @@ def test_a_failed_batch_reruns_each_sequence_alone_with_its_whole_length(layout:
     assert kv.num_sequences == 0
     assert step(sched) == [(0, 9)]  # prompt and output so far, from scratch
     assert seqs[0].status == Status.RUNNING and seqs[0] in sched.running and kv.num_sequences == 1
-    assert kv.usage() == (3 / 64 if layout == "paged" else 16 / 200)
+    if layout == "paged":
+        assert len(kv.tables[0]) == 3
+    else:
+        assert kv.buffers[0].shape[2] == 16
