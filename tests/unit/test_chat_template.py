@@ -17,6 +17,7 @@ from tokenmill.loader.chat_template import ChatTemplate, template_from_metadata
 
 HI = [{"role": "user", "content": "hi"}]
 MAX_VALUE = 1 << 20  # what one `*` or `**` may make
+BUDGET = {"timeout": 2.0, "max_chars": 8 << 20}
 
 HOSTILE_TEMPLATES = [
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
@@ -28,7 +29,7 @@ HOSTILE_TEMPLATES = [
 
 
 def render(source: str, messages: list | None = None, **kwargs) -> str:
-    return ChatTemplate(source, "<s>", "</s>").render(HI if messages is None else messages, **kwargs)
+    return ChatTemplate(source, "<s>", "</s>").render(HI if messages is None else messages, **{**BUDGET, **kwargs})
 
 
 @pytest.mark.parametrize("template", HOSTILE_TEMPLATES)
@@ -38,7 +39,7 @@ def test_hostile_chat_template_in_a_gguf_is_refused_without_running(template: st
     loaded = load_model(str(path), dtype="float32", device="cpu")
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(RequestError, match="failed to render") as refused:
-        loaded.chat_template.render(messages)
+        loaded.chat_template.render(messages, **BUDGET)
     assert refused.value.param == "messages"
     assert not marker.exists()
     assert messages == [{"role": "user", "content": "hi"}]
@@ -49,6 +50,7 @@ def test_what_templates_use_renders() -> None:
     assert render("{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}", messages) == '<s>héllo "x"</s>'
     assert render("{{ messages | tojson }}", messages) == json.dumps(messages, ensure_ascii=False)
     assert render("{{ messages[1] | tojson(indent=2) }}", messages) == json.dumps(messages[1], indent=2)
+    assert render("{{ 'é' | tojson(ensure_ascii=True) }}") == '"\\u00e9"'
     assert render("{{ strftime_now('%Y') }}") == str(datetime.now().year)
     assert render("{% if add_generation_prompt %}go{% endif %}") == "go"
     assert render("{% if add_generation_prompt %}go{% endif %}", add_generation_prompt=False) == ""
@@ -68,9 +70,9 @@ def test_errors_and_the_fallback() -> None:
         render("{{ messages[5]['content'] }}")
     fallback = ChatTemplate(None, None, None)
     assert fallback.is_fallback and not ChatTemplate("x", None, None).is_fallback
-    assert fallback.render(HI) == "user: hi\n\nassistant:"
-    assert fallback.render(HI, add_generation_prompt=False) == "user: hi\n\n"
-    assert ChatTemplate("{{ bos_token }}|{{ eos_token }}", None, None).render(HI) == "|"
+    assert fallback.render(HI, **BUDGET) == "user: hi\n\nassistant:"
+    assert fallback.render(HI, add_generation_prompt=False, **BUDGET) == "user: hi\n\n"
+    assert ChatTemplate("{{ bos_token }}|{{ eos_token }}", None, None).render(HI, **BUDGET) == "|"
 
 
 def test_a_template_that_never_ends_is_stopped_on_time() -> None:
@@ -78,7 +80,7 @@ def test_a_template_that_never_ends_is_stopped_on_time() -> None:
                            None, None)
     started = time.perf_counter()
     with pytest.raises(RequestError, match="the chat template was stopped: it ran out of time") as stopped:
-        endless.render(HI, timeout=0.3)
+        endless.render(HI, timeout=0.3, max_chars=1000)
     assert 0.3 <= time.perf_counter() - started < 1.0 and stopped.value.param == "messages"
     assert render("{% for i in range(3000) %}{% endfor %}done", timeout=5.0) == "done"
 
@@ -100,7 +102,7 @@ def test_the_tracer_is_the_callers_again_after_rendering() -> None:
 
 def test_output_budget_is_exact() -> None:
     assert render("{% for i in range(500) %}xx{% endfor %}", max_chars=1000) == "xx" * 500
-    with pytest.raises(RequestError, match="it wrote more than 999 characters"):
+    with pytest.raises(RequestError, match="^the chat template was stopped: it wrote more than 999 characters$"):
         render("{% for i in range(500) %}xx{% endfor %}", max_chars=999)
 
 
@@ -110,7 +112,7 @@ def test_multiplication_budget_is_exact() -> None:
     assert render(f"{{{{ ([0] * {MAX_VALUE}) | length }}}}") == str(MAX_VALUE)
     for bomb in (f"'a' * {MAX_VALUE + 1}", f"{MAX_VALUE // 2 + 1} * 'ab'", f"[1] * {MAX_VALUE + 1}",
                  "'a' * 10**9", "[1, 2] * 10**8"):
-        with pytest.raises(RequestError, match="`\\*` would make a sequence too long"):
+        with pytest.raises(RequestError, match="^the chat template was stopped: `\\*` would make a sequence too long$"):
             render(f"{{{{ {bomb} }}}}")
     assert render("{{ 'ab' * 3 }}|{{ 6 * 7 }}|{{ 2.5 * 2 }}|{{ 'x' * 0 }}") == "ababab|42|5.0|"
 
@@ -120,7 +122,8 @@ def test_power_budget_is_exact() -> None:
     assert render("{% set x = 2 ** 1572864 %}ok") == "ok"
     assert render("{% set x = (-7) ** 786432 %}ok") == "ok"  # 7 has 3 bits: 3 * 2**20 / 3 = 1048576
     for bomb in ("2 ** 1572865", "(-7) ** 1048577", "9 ** 999999999", "1 ** 1572865"):
-        with pytest.raises(RequestError, match="`\\*\\*` would make a number too large"):
+        with pytest.raises(RequestError, match="^the chat template was stopped: `\\*\\*` would make a number too "
+                                               "large$"):
             render(f"{{% set x = {bomb} %}}")
     assert render("{{ 2 ** 10 }}|{{ 2 ** -1 }}|{{ 2.0 ** 3 }}") == "1024|0.5|8.0"
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tokenmill.api.guards import RequestGuard, ServingState, error_body, json_depth
+from tokenmill.api.guards import RequestGuard, ServingState, error_body, error_response, json_depth
 
 LIMIT = 64  # body bytes
 DEPTH = 4
@@ -25,6 +25,7 @@ class App:
             chunks = []
             while True:
                 message = await receive()
+                assert message["type"] == "http.request", message
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body", False):
                     break
@@ -36,10 +37,13 @@ class App:
 
 def call(guard: RequestGuard, body: bytes = b"{}", method: str = "POST", path: str = "/v1/chat/completions",
          headers: dict[str, str] | None = None, chunk: int | None = None, declare_length: bool = True,
-         client_leaves: bool = False) -> tuple[int, dict, dict]:
-    """One request through the guard: (status, JSON error or {}, response headers)."""
+         client_leaves: bool = False, messages: list[dict] | None = None) -> tuple[int, dict, dict]:
+    """One request through the guard: (status, JSON error or {}, response headers). messages: the ASGI messages
+    of the body as given (default: body in chunks of chunk bytes)."""
     pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)] if chunk else [body]
-    messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)]
+    if messages is None:
+        messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
+                    for i, p in enumerate(pieces)]
     if client_leaves:
         messages = messages[:1]
         messages[0]["more_body"] = True
@@ -90,8 +94,21 @@ def test_a_body_of_exactly_the_limit_passes_whole_and_one_byte_more_is_413(decla
     assert app.body == padded(LIMIT) and app.after_body == "http.disconnect"  # then the real channel
     g, app = guard()
     status, error, _ = call(g, padded(LIMIT + 1), declare_length=declare_length, chunk=chunk)
-    assert status == 413 and error["code"] == "request_too_large" and str(LIMIT) in error["message"]
+    assert status == 413 and error == {"message": f"the request body is larger than {LIMIT} bytes",
+                                       "type": "invalid_request_error", "param": None, "code": "request_too_large"}
     assert app.body is None
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_read() -> None:
+    g, app = guard()
+    assert call(g, b"{}", headers={"content-length": str(LIMIT + 1)})[0] == 413 and app.body is None
+
+
+def test_the_optional_keys_of_a_body_message_take_their_asgi_defaults() -> None:
+    g, app = guard()
+    assert call(g, messages=[{"type": "http.request"}], declare_length=False)[0] == 200 and app.body == b""
+    g, app = guard()
+    assert call(g, messages=[{"type": "http.request", "body": b"[1]"}])[0] == 200 and app.body == b"[1]"
 
 
 def test_a_false_small_content_length_does_not_get_a_large_body_through() -> None:
@@ -105,13 +122,17 @@ def test_nesting_of_exactly_the_limit_passes_and_one_level_more_is_400() -> None
     assert call(g, b'{"a": [[[1]]]}')[0] == 200 and app.body == b'{"a": [[[1]]]}'
     g, app = guard()
     status, error, _ = call(g, b'{"a": [[[[1]]]]}')
-    assert status == 400 and error["message"] == f"the request body nests deeper than {DEPTH} levels"
+    assert status == 400 and error == {"message": f"the request body nests deeper than {DEPTH} levels",
+                                       "type": "invalid_request_error", "param": None, "code": None}
     assert app.body is None
 
 
 def test_a_client_that_leaves_while_sending_gets_nothing_run() -> None:
     g, app = guard()
-    assert call(g, padded(40), chunk=10, client_leaves=True)[0] == 400 and app.body is None
+    status, error, _ = call(g, padded(40), chunk=10, client_leaves=True)
+    assert status == 400 and error == {"message": "the client went away", "type": "invalid_request_error",
+                                       "param": None, "code": None}
+    assert app.body is None
 
 
 @pytest.mark.parametrize("header,status", [
@@ -123,7 +144,8 @@ def test_api_keys(header: str | None, status: int) -> None:
     got, error, _ = call(g, headers={"Authorization": header} if header is not None else {})
     assert got == status
     if status == 401:
-        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert error == {"message": "Incorrect or missing API key: send it as `Authorization: Bearer KEY`.",
+                         "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
         assert app.body is None
 
 
@@ -146,7 +168,8 @@ def test_draining_refuses_new_requests_but_not_health() -> None:
     g, app = guard(state=state)
     state.draining = True
     status, error, headers = call(g)
-    assert status == 503 and error["type"] == "service_unavailable"
+    assert status == 503 and error == {"message": "the server is shutting down", "type": "service_unavailable",
+                                       "param": None, "code": None}
     assert headers["retry-after"] == "5" and headers["connection"] == "close"
     assert call(g, method="GET", path="/health", body=b"")[0] == 200  # /health answers 503 itself
     state.draining = False
@@ -164,6 +187,8 @@ def test_other_scopes_pass_through() -> None:
     assert sent[0]["status"] == 200
 
 
-def test_error_body_shape() -> None:
+def test_error_objects() -> None:
     assert error_body("m", "t") == {"error": {"message": "m", "type": "t", "param": None, "code": None}}
-    assert error_body("m", "t", "p", "c") == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
+    response = error_response(429, "m", "t", "p", "c", headers={"Retry-After": "1"})
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert json.loads(response.body) == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}

@@ -89,9 +89,10 @@ class ChatTemplate:
         self._bos_token = bos_token or ""
         self._eos_token = eos_token or ""
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-               timeout: float = 2.0, max_chars: int = 8 << 20) -> str:
-        """Render within a budget of time (seconds) and of output (characters); a RequestError if it fails."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *, timeout: float,
+               max_chars: int) -> str:
+        """Render within a budget of time (seconds) and of output (characters), the server's (ServerConfig);
+        a RequestError if it fails."""
         parts, size = [], 0
         previous_trace = sys.gettrace()
         sys.settrace(_Deadline(timeout))
