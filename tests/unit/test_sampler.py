@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tokenmill.engine.request import Sequence
 from tokenmill.engine.sampler import Sampler
@@ -117,6 +119,15 @@ def test_penalties_and_bias_move_the_winner() -> None:
     assert s(x.clone(), [seq(temperature=0.0, frequency_penalty=1.0, output=[3, 3])])[0] == [4]
     assert s(x.clone(), [seq(temperature=0.0, presence_penalty=2.0, output=[3, 3, 3])])[0] == [4]  # once, not 3x
     assert s(x.clone(), [seq(temperature=0.0, presence_penalty=0.5, output=[3, 3])])[0] == [3]  # 4.5 > 4
+    x[0, 4] = 4.5
+    assert s(x.clone(), [seq(temperature=0.0, presence_penalty=1.0, output=[3])])[0] == [4]  # 4 < 4.5
+    x[0, 4] = 4.0
+    # a shorter output's padding is not a token: 1, unseen in the second row, keeps its logit there
+    x[0, 1] = 4.5
+    batch = [seq(0, temperature=0.0, frequency_penalty=1.0, output=[3, 7, 7]),
+             seq(1, temperature=0.0, frequency_penalty=1.0, output=[3])]
+    assert s(x.clone().repeat(2, 1), batch)[0] == [1, 1]
+    x[0, 1] = 0.0
     x[0, 0] = 6.0  # token 0 is a token like any other, not padding
     assert s(x.clone(), [seq(temperature=0.0, frequency_penalty=1.5, output=[0, 0])])[0] == [3]
 
@@ -145,6 +156,10 @@ def test_top_k_alone_and_beside_top_p() -> None:
     batch = [seq(0, seed=2, top_k=3), seq(1, seed=3, top_p=0.5)]
     seen = {s(flat.clone().repeat(2, 1), batch)[0][0] for _ in range(200)}
     assert len(seen) == 3
+    # top_p 1 beside top_k 3, where the kept head's cumulative sum rounds to just under 1: the tail (half the mass
+    # before the cut) stays cut
+    head_and_tail = torch.log(torch.tensor([[0.425, 0.05, 0.025] + [0.5 / (VOCAB - 3)] * (VOCAB - 3)]))
+    assert draws(s, head_and_tail, seq(seed=4, top_k=3, top_p=1.0)) == {0, 1, 2}
 
 
 def test_min_p_is_relative_to_each_rows_best_token() -> None:
@@ -174,17 +189,43 @@ def test_unseeded_requests_draw_from_the_servers_seed() -> None:
     assert sample(5) == sample(5) != sample(6)
 
 
+class PlacedOn(TorchFunctionMode):
+    """Fails a tensor factory called without device=the logits' device: on a GPU, that tensor would be on the host
+    (a CPU-only machine cannot tell otherwise)."""
+
+    FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.rand,
+                 torch.randn, torch.randint}
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FACTORIES:
+            assert kwargs.get("device") == self.device, f"torch.{func.__name__} without device={self.device}"
+        return func(*args, **kwargs)
+
+
 def test_every_tensor_is_made_on_the_logits_device() -> None:
-    """A tensor made without a device lands on the default one: make that a device nothing else is on (meta), and
-    any tensor the sampler forgets to place beside the logits (on a GPU, the host) makes the step fail."""
-    s = new_sampler()
-    batch = [seq(0, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=1, logit_bias={4: 1.0}, min_tokens=3,
-                 frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.2, logprobs=2, output=[1, 2]),
-             seq(1, temperature=1.0, logprobs=0), seq(2, temperature=0.0)]
+    def batch() -> list[Sequence]:
+        return [seq(0, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=1, logit_bias={4: 1.0}, min_tokens=3,
+                    frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.2, logprobs=2, output=[1, 2]),
+                seq(1, temperature=1.0, logprobs=0), seq(2, temperature=0.0)]
+
     x = logits(3)
-    with torch.device("meta"):
-        tokens, lps = s(x.clone(), batch)
-    assert len(tokens) == 3 and tokens[2] == x[2].argmax().item() and lps[2] is None
+    with PlacedOn(x.device):
+        placed = new_sampler()(x.clone(), batch())
+    assert placed == new_sampler()(x.clone(), batch())
+
+
+def test_a_draw_at_either_end_lands_on_a_token_that_can_be_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = probabilities(0.0, 0.5, 0.5, 0.0)
+    x[0, 0] = x[0, 3] = float("-inf")  # 0 and 3 (and all after) cannot be drawn
+    x[0, 4:] = float("-inf")
+    for draw, token in ((0.0, 1), (1 - 2**-24, 2)):
+        monkeypatch.setattr(torch, "rand", lambda *a, value=draw, **k: torch.full((1,), value))
+        assert new_sampler()(x.clone(), [seq(temperature=1.0)])[0] == [token]
 
 
 def test_logprobs_for_every_row_with_k_of_zero() -> None:

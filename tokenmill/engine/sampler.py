@@ -97,7 +97,10 @@ class Sampler:
         # request's tokens do not depend on its batch neighbours; far cheaper than vocabulary-sized noise.
         uniform = torch.cat([torch.rand(1, generator=s.generator or self.generator, device=dev) for s in seqs])
         cdf = probs.cumsum_(dim=-1)
-        sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=vocab - 1)
+        # The first token whose cumulative mass exceeds the draw (a draw of exactly 0 must not land on a leading
+        # token of probability 0); the clamp catches a draw that rounding lifted to the total.
+        target = (uniform * cdf[:, -1]).unsqueeze(1)
+        sampled = torch.searchsorted(cdf, target, side="right").squeeze(1).clamp_(max=vocab - 1)
         return torch.where(greedy, argmax, sampled)
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob | None]:
