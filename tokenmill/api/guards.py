@@ -68,8 +68,10 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         refusal = self._refuse(scope)
         if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            body, refusal = await self._read_body(scope, receive)
-            if refusal is None:
+            body = await self._read_body(scope, receive)
+            if isinstance(body, JSONResponse):
+                refusal = body
+            else:
                 receive = _replay(body, receive)
         if refusal is not None:
             return await refusal(scope, receive, send)
@@ -84,28 +86,29 @@ class RequestGuard:
                                   "invalid_request_error", code="invalid_api_key")
         return None
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, JSONResponse | None]:
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | JSONResponse:
+        """The whole body, or the refusal of it."""
         too_large = error_response(413, f"the request body is larger than {self.max_body_bytes} bytes",
                                    "invalid_request_error", code="request_too_large")
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return b"", too_large
+            return too_large
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return b"", error_response(400, "the client went away", "invalid_request_error")
+                return error_response(400, "the client went away", "invalid_request_error")
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
-                return b"", too_large
+                return too_large
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
         if json_depth(body) > self.max_json_depth:
-            return body, error_response(400, f"the request body nests deeper than {self.max_json_depth} levels",
-                                        "invalid_request_error")
-        return body, None
+            return error_response(400, f"the request body nests deeper than {self.max_json_depth} levels",
+                                  "invalid_request_error")
+        return body
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
