@@ -118,7 +118,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     embed = tensors["token_embd.weight"]
     freq_factors = None
     if "rope_freqs.weight" in tensors:
-        freq_factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data, np.float32).reshape(-1))
+        freq_factors = tuple(tensors["rope_freqs.weight"].data.tolist())  # one float32 per frequency
     config = ModelConfig(
         architecture=arch,
         vocab_size=int(embed.shape[1]),
