@@ -75,7 +75,9 @@ TINY_TOKENS = _byte_to_unicode() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>
 
 
 def _put(writer: GGUFWriter, key: str, value: Any) -> None:
-    if isinstance(value, bool):
+    if isinstance(value, list):
+        writer.add_array(key, value)
+    elif isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):
         (writer.add_int32 if value < 0 else writer.add_uint32)(key, value)

@@ -143,6 +143,8 @@ COUNT_BOUNDS = {
                          lambda p: _field_value_offset(p, "tokenizer.ggml.token_type") + 12, 4),
     "string array item": (lambda p: _field_value_offset(p, "tokenizer.ggml.tokens") + 4,
                           lambda p: _field_value_offset(p, "tokenizer.ggml.tokens") + 12, 8),
+    "nested array item": (lambda p: _field_value_offset(p, "llama.nested") + 4,
+                          lambda p: _field_value_offset(p, "llama.nested") + 12, 12),
 }
 
 
@@ -151,7 +153,7 @@ def test_a_count_is_refused_exactly_when_its_items_cannot_fit(what: str, tmp_pat
     """The checks refuse a count at once only where even the smallest items could not fit in the bytes left: one
     item fewer passes them (and fails later, reading what is not there)."""
     count_at, items_at, least = COUNT_BOUNDS[what]
-    good = write_tiny_gguf(tmp_path / "good.gguf")
+    good = write_tiny_gguf(tmp_path / "good.gguf", metadata={"nested": [[1, 2], [3]]})
     data = bytearray(good.read_bytes())
     data += bytes(-(len(data) - items_at(good)) % least)  # the bytes left hold a whole number of smallest items
     fits = (len(data) - items_at(good)) // least
