@@ -25,6 +25,7 @@ from safetensors.numpy import load_file
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.loader import load_model
+from tokenmill.loader.gguf import GGUFFile
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
@@ -233,6 +234,12 @@ def test_metadata_a_file_leaves_out_takes_the_llama_cpp_defaults(tmp_path: Path)
     config = load_model(str(path), dtype="float32", device="cpu").config
     assert (config.num_kv_heads, config.head_dim, config.rms_norm_eps, config.rope_theta,
             config.max_position_embeddings) == (4, 16, 1e-6, 10000.0, 4096)
+
+
+def test_metadata_is_the_files_key_values_not_the_readers_header_fields(tmp_path: Path) -> None:
+    gguf = GGUFFile(write_tiny_gguf(tmp_path / "m.gguf"))
+    assert gguf.architecture == "llama" and gguf.metadata["llama.block_count"] == 2
+    assert {key.split(".")[0] for key in gguf.metadata} == {"general", "llama", "tokenizer"}
 
 
 def test_one_kv_head_loads(tmp_path: Path) -> None:
