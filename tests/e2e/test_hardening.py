@@ -147,6 +147,9 @@ AT_AND_PAST = [
     ("logit_bias entries", chat(logit_bias={str(i): 1 for i in range(16)}),
      chat(logit_bias={str(i): 1 for i in range(17)}), CHAT, "logit_bias"),
     ("chat template output", chat(chat_template=writes(2000)), chat(chat_template=writes(2001)), CHAT, "messages"),
+    ("top_logprobs", chat(logprobs=True, top_logprobs=20), chat(logprobs=True, top_logprobs=21), CHAT,
+     "top_logprobs"),
+    ("completion logprobs", completion(logprobs=20), completion(logprobs=21), COMPLETIONS, "logprobs"),
     ("context", completion(prompt=[5] * (CONTEXT - 1), max_tokens=1),
      completion(prompt=[5] * (CONTEXT - 1), max_tokens=2), COMPLETIONS, "max_tokens"),
 ]
