@@ -36,3 +36,14 @@ def smollm(smollm_path: Path) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny4k_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a context long enough that a request can outlast a client's patience."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny4k") / "tiny.gguf", context_length=4096)
+
+
+@pytest.fixture(scope="session")
+def tiny4k(tiny4k_gguf: Path) -> LoadedModel:
+    return load_model(str(tiny4k_gguf), dtype="float32", device="cpu")

@@ -11,12 +11,12 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from helpers import ServerThread, assert_no_live_blocks, start_engine, write_tiny_gguf
+from helpers import ServerThread, assert_no_live_blocks, start_engine
 
 from tokenmill.api.app import create_app
 from tokenmill.config import ServerConfig
 from tokenmill.errors import RequestError
-from tokenmill.loader import LoadedModel, load_model
+from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
 
 MODEL = "tiny"
@@ -30,15 +30,8 @@ CONTEXT = 4096
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """A context long enough that a request can outlast a client's patience."""
-    path = write_tiny_gguf(tmp_path_factory.mktemp("tiny4k") / "tiny.gguf", context_length=4096)
-    return load_model(str(path), dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def server(tiny: LoadedModel):
-    with ServerThread(tiny, MODEL, LIMITS, max_num_seqs=8) as srv:
+def server(tiny4k: LoadedModel):
+    with ServerThread(tiny4k, MODEL, LIMITS, max_num_seqs=8) as srv:
         yield srv
 
 
@@ -179,8 +172,8 @@ def test_body_size_and_nesting_are_accepted_at_their_limit_and_refused_one_past_
     assert "nests deeper than 32 levels" in response.json()["error"]["message"]
 
 
-def test_the_queue_and_the_kv_cache_hold_exactly_what_they_are_sized_for(tiny: LoadedModel) -> None:
-    engine = start_engine(tiny, max_num_seqs=1, max_queued_requests=2, kv_cache_memory=str(4 * 16 * 512))
+def test_the_queue_and_the_kv_cache_hold_exactly_what_they_are_sized_for(tiny4k: LoadedModel) -> None:
+    engine = start_engine(tiny4k, max_num_seqs=1, max_queued_requests=2, kv_cache_memory=str(4 * 16 * 512))
 
     async def scenario() -> None:
         running = engine.submit([5] * 10, SamplingParams(max_tokens=54, ignore_eos=True))  # 64: the whole cache
@@ -266,19 +259,19 @@ def test_a_request_template_renders_when_allowed(server: ServerThread) -> None:
     assert response.json()["usage"]["prompt_tokens"] == len(expected)
 
 
-def test_request_templates_are_off_by_default(tiny: LoadedModel) -> None:
-    with ServerThread(tiny, MODEL) as srv:
+def test_request_templates_are_off_by_default(tiny4k: LoadedModel) -> None:
+    with ServerThread(tiny4k, MODEL) as srv:
         response = httpx.post(srv.root_url + CHAT, json=chat(chat_template="{{ messages }}"))
         assert "allow-request-chat-template" in assert_error_object(response, 400, "chat_template")["message"]
 
 
-def test_flood_gets_429_with_retry_after_and_leaks_nothing(tiny: LoadedModel) -> None:
+def test_flood_gets_429_with_retry_after_and_leaks_nothing(tiny4k: LoadedModel) -> None:
     async def flood(url: str) -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as client:
             body = chat(max_tokens=64, ignore_eos=True)
             return await asyncio.gather(*(client.post(url, json=body) for _ in range(40)))
 
-    with ServerThread(tiny, MODEL, max_num_seqs=2, max_queued_requests=4) as srv:
+    with ServerThread(tiny4k, MODEL, max_num_seqs=2, max_queued_requests=4) as srv:
         responses = asyncio.run(flood(srv.root_url + CHAT))
         busy = [r for r in responses if r.status_code == 429]
         done = [r for r in responses if r.status_code == 200]
@@ -316,8 +309,8 @@ def test_a_streaming_client_with_n_2_that_leaves_aborts_both(server: ServerThrea
     assert_no_live_blocks(server.engine)
 
 
-def test_api_keys(tiny: LoadedModel) -> None:
-    with ServerThread(tiny, MODEL, ServerConfig(api_key=("key-one", "key-two"))) as srv:
+def test_api_keys(tiny4k: LoadedModel) -> None:
+    with ServerThread(tiny4k, MODEL, ServerConfig(api_key=("key-one", "key-two"))) as srv:
         assert httpx.get(srv.root_url + "/health").status_code == 200  # open to probes
         error = assert_error_object(httpx.get(srv.root_url + "/v1/models"), 401)
         assert error["code"] == "invalid_api_key"
@@ -331,11 +324,11 @@ def test_api_keys(tiny: LoadedModel) -> None:
             openai.OpenAI(base_url=srv.root_url + "/v1", api_key="wrong").models.list()
 
 
-def test_cors_is_off_unless_origins_are_allowed(server: ServerThread, tiny: LoadedModel) -> None:
+def test_cors_is_off_unless_origins_are_allowed(server: ServerThread, tiny4k: LoadedModel) -> None:
     preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
     response = httpx.options(server.root_url + CHAT, headers=preflight)
     assert "access-control-allow-origin" not in response.headers
-    with ServerThread(tiny, MODEL, ServerConfig(allowed_origins=("http://ui.example",), api_key=("k",))) as srv:
+    with ServerThread(tiny4k, MODEL, ServerConfig(allowed_origins=("http://ui.example",), api_key=("k",))) as srv:
         response = httpx.options(srv.root_url + CHAT, headers=preflight)
         assert response.status_code == 200
         assert response.headers["access-control-allow-origin"] == "http://ui.example"
@@ -344,16 +337,16 @@ def test_cors_is_off_unless_origins_are_allowed(server: ServerThread, tiny: Load
         assert response.status_code == 200 and response.headers["access-control-allow-origin"]
 
 
-def test_a_dead_engine_is_unhealthy_and_refuses_work(tiny: LoadedModel) -> None:
-    engine = start_engine(tiny)
+def test_a_dead_engine_is_unhealthy_and_refuses_work(tiny4k: LoadedModel) -> None:
+    engine = start_engine(tiny4k)
     engine.stop()
     client = TestClient(create_app(engine, MODEL))  # no lifespan: the engine stays dead
     assert client.get("/health").status_code == 503
     assert_error_object(client.post(CHAT, json=chat()), 503)
 
 
-def test_a_dead_engine_stops_the_server(tiny: LoadedModel) -> None:
-    with ServerThread(tiny, MODEL) as srv:
+def test_a_dead_engine_stops_the_server(tiny4k: LoadedModel) -> None:
+    with ServerThread(tiny4k, MODEL) as srv:
         srv.engine.stop()
         srv.thread.join(timeout=10)
         assert not srv.thread.is_alive() and srv.server.exit_code == 1

@@ -13,15 +13,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import ServerProcess, write_tiny_gguf
+from helpers import ServerProcess
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def tiny4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny4k") / "tiny.gguf", context_length=4096)
 
 
 def long_stream(srv: ServerProcess, max_tokens: int):
@@ -40,8 +35,8 @@ def read_to_end(stream) -> tuple[str | None, int]:
     return finish, tokens
 
 
-def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_work(tiny4k: Path) -> None:
-    with ServerProcess(tiny4k, "--shutdown-timeout", "60") as srv:
+def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_work(tiny4k_gguf: Path) -> None:
+    with ServerProcess(tiny4k_gguf, "--shutdown-timeout", "60") as srv:
         stream = long_stream(srv, 3000)
         next(iter(stream))  # in flight
         srv.proc.send_signal(signal.SIGTERM)
@@ -53,8 +48,8 @@ def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_work(tiny4k: Path
         assert srv.proc.wait(timeout=30) == 0, srv.output()
 
 
-def test_sigterm_aborts_what_outlasts_the_shutdown_timeout(tiny4k: Path) -> None:
-    with ServerProcess(tiny4k, "--shutdown-timeout", "0.5") as srv:
+def test_sigterm_aborts_what_outlasts_the_shutdown_timeout(tiny4k_gguf: Path) -> None:
+    with ServerProcess(tiny4k_gguf, "--shutdown-timeout", "0.5") as srv:
         stream = long_stream(srv, 4000)
         next(iter(stream))
         srv.proc.send_signal(signal.SIGTERM)
@@ -115,11 +110,11 @@ SOAK_SECONDS = float(os.environ.get("TOKENMILL_SOAK_SECONDS", "60"))
 
 
 @pytest.mark.timeout(180 + 2 * SOAK_SECONDS)
-def test_soak_mixed_traffic_with_disconnects(tiny4k: Path) -> None:
+def test_soak_mixed_traffic_with_disconnects(tiny4k_gguf: Path) -> None:
     """TOKENMILL_SOAK_SECONDS (default 60) of traffic; memory is measured after a first warm-up round of the same
     traffic, so allocator and cache warm-up are not counted as growth."""
     seconds = SOAK_SECONDS
-    with ServerProcess(tiny4k, "--max-num-seqs", "8") as srv:
+    with ServerProcess(tiny4k_gguf, "--max-num-seqs", "8") as srv:
         url = srv.root_url + CHAT
         asyncio.run(_soak(url, min(20.0, seconds / 3), seed=1))
         rss_before = srv.rss_bytes()

@@ -6,19 +6,12 @@ import time
 from collections.abc import Callable
 
 import openai
-import pytest
-from helpers import ServerThread, read_metrics, write_tiny_gguf
+from helpers import ServerThread, read_metrics
 
-from tokenmill.loader import LoadedModel, load_model
+from tokenmill.loader import LoadedModel
 
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16 dims, fp32
 PROMPT = [(5 * i + 3) % 250 for i in range(40)]  # 2 full blocks of 16 and a partial one
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = write_tiny_gguf(tmp_path_factory.mktemp("metrics") / "tiny.gguf", context_length=4096)
-    return load_model(str(path), dtype="float32", device="cpu")
 
 
 def client(srv: ServerThread) -> openai.OpenAI:
@@ -33,8 +26,8 @@ def metrics_when(srv: ServerThread, ready: Callable[[dict[str, float]], bool], s
     return values
 
 
-def test_kv_usage_and_running_requests_while_a_request_runs(tiny: LoadedModel) -> None:
-    with ServerThread(tiny, "tiny", kv_cache_memory=str(256 * 16 * KV_BYTES_PER_TOKEN)) as srv:  # 256 blocks
+def test_kv_usage_and_running_requests_while_a_request_runs(tiny4k: LoadedModel) -> None:
+    with ServerThread(tiny4k, "tiny", kv_cache_memory=str(256 * 16 * KV_BYTES_PER_TOKEN)) as srv:  # 256 blocks
         stream = client(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=4000, stream=True,
                                                 extra_body={"ignore_eos": True})
         next(iter(stream))
@@ -47,8 +40,8 @@ def test_kv_usage_and_running_requests_while_a_request_runs(tiny: LoadedModel) -
         assert after["tokenmill:kv_cache_usage_perc"] == 0
 
 
-def test_token_counters_prefix_hits_and_cached_tokens_agree(tiny: LoadedModel) -> None:
-    with ServerThread(tiny, "tiny") as srv:
+def test_token_counters_prefix_hits_and_cached_tokens_agree(tiny4k: LoadedModel) -> None:
+    with ServerThread(tiny4k, "tiny") as srv:
         sdk = client(srv)
         before = read_metrics(srv.root_url)
         expected = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
@@ -67,9 +60,9 @@ def test_token_counters_prefix_hits_and_cached_tokens_agree(tiny: LoadedModel) -
         assert deltas(metrics_when(srv, lambda m: deltas(m) == expected)) == expected
 
 
-def test_preemptions_are_counted(tiny: LoadedModel) -> None:
+def test_preemptions_are_counted(tiny4k: LoadedModel) -> None:
     # 8 blocks of 16 tokens; four requests of up to 100 tokens (7 blocks) each must take turns
-    with ServerThread(tiny, "tiny", kv_cache_memory=str(8 * 16 * KV_BYTES_PER_TOKEN), max_num_seqs=4) as srv:
+    with ServerThread(tiny4k, "tiny", kv_cache_memory=str(8 * 16 * KV_BYTES_PER_TOKEN), max_num_seqs=4) as srv:
         reply = client(srv).completions.create(model="tiny", prompt=[PROMPT, PROMPT[1:], PROMPT[2:], PROMPT[3:]],
                                                max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 4 * 60
