@@ -102,9 +102,7 @@ def _function(mutant: str) -> str:
 
 
 def _equivalents(source: str) -> list[dict]:
-    if not EQUIVALENTS.exists():
-        return []
-    entries = tomllib.loads(EQUIVALENTS.read_text()).get("equivalent", [])
+    entries = tomllib.loads(EQUIVALENTS.read_text())["equivalent"]
     return [e for e in entries if e["source"] == source]
 
 
