@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tokenmill.cli import _pick, build_parser, with_env_api_keys
+from tokenmill.cli import _pick, build_parser, main, with_env_api_keys
 from tokenmill.config import EngineConfig, ServerConfig
 
 
@@ -24,3 +27,27 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert with_env_api_keys(ServerConfig(api_key=("flag",))).api_key == ("flag",)  # the flag wins
     monkeypatch.delenv("TOKENMILL_API_KEY")
     assert with_env_api_keys(ServerConfig()).api_key == ()
+
+
+def test_serving_never_imports_the_bench() -> None:
+    """The bench's modules and its extra (httpx, matplotlib) load only for `tokenmill bench`."""
+    code = ("import sys, tokenmill.cli as cli; cli.build_parser().parse_args(['serve', 'm.gguf']); "
+            "print([m for m in sys.modules if m.startswith(('tokenmill.bench', 'httpx', 'matplotlib'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("missing", ["httpx", "matplotlib"])
+def test_bench_without_its_extra_says_how_to_install_it(missing: str, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    for module in ("tokenmill.bench.client", "tokenmill.bench.report", "matplotlib.figure"):  # imported afresh
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        parent, _, name = module.rpartition(".")
+        if parent in sys.modules:
+            monkeypatch.delattr(sys.modules[parent], name, raising=False)
+    monkeypatch.setitem(sys.modules, missing, None)  # import raises ModuleNotFoundError, as when not installed
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--workload", "burst"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"tokenmill: bench needs {missing}, which is not installed: "
+                                       f"pip install 'tokenmill[bench]'\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 import time
@@ -22,10 +23,14 @@ from helpers import (
     write_tiny_gguf,
 )
 from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_torch_file
+from safetensors.torch import save_file
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.loader import load_model
+from tokenmill.loader import safetensors as st_loader
 from tokenmill.loader.gguf import GGUFFile
+from tokenmill.models.registry import build_model
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
@@ -281,3 +286,102 @@ def test_a_big_endian_file_is_refused(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "be.gguf", "llama", tiny_metadata(), tiny_tensors(), endianess=GGUFEndian.BIG)
     with pytest.raises(ModelFormatError, match="be.gguf is a big-endian GGUF file; tokenmill loads little-endian"):
         load_model(str(path), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random Hugging Face folders: qwen3 (untied head, q/k norms), qwen2 (tied head, q/k/v biases)."""
+    pytest.importorskip("transformers")
+    folders = {}
+    for name in ("qwen3", "qwen2"):
+        folders[name] = tmp_path_factory.mktemp(name)
+        save_random_hf_model(folders[name], hf_configs()[name])
+    return folders
+
+
+def _edited(folder: Path, dest: Path, edit) -> Path:
+    """A copy of folder whose checkpoint is edit(dict of its tensors)."""
+    dest.mkdir()
+    for file in ("config.json", "tokenizer.json"):
+        (dest / file).write_bytes((folder / file).read_bytes())
+    save_file(edit(load_torch_file(folder / "model.safetensors")), dest / "model.safetensors")
+    return dest
+
+
+@pytest.mark.parametrize("family,name,message", [
+    ("qwen3", "model.norm.weight", '"model.norm.weight"'),
+    ("qwen3", "lm_head.weight", '"lm_head.weight"'),
+    ("qwen3", "model.layers.1.self_attn.k_proj.weight", "the checkpoint lacks model.layers.1.self_attn.k_proj.weight$"),
+    ("qwen2", "model.layers.0.self_attn.v_proj.bias", "the checkpoint lacks model.layers.0.self_attn.v_proj.bias$"),
+    ("qwen3", "model.layers.0.mlp.*_proj.weight", r'"model.layers.0.mlp.gate_up_proj.weight".*\(gate_up_proj stacks '
+                                                  r"gate_proj, up_proj\)$"),
+])
+def test_a_checkpoint_lacking_a_tensor_is_refused_naming_it(family: str, name: str, message: str,
+                                                            hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _edited(hf_folders[family], tmp_path / "m", lambda tensors: {
+        k: v for k, v in tensors.items() if not re.fullmatch(name.replace(".", r"\.").replace("*", "(gate|up)"), k)})
+    with pytest.raises(ModelFormatError, match=message):
+        load_model(str(folder), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("name,message", [
+    ("model.layers.0.mlp.down_proj.weight", r"size mismatch for model\.layers\.0\.mlp\.down_proj\.weight: copying "
+                                            r"a param with shape torch\.Size\(\[64, 127\]\) from checkpoint"),
+    ("model.layers.1.self_attn.v_proj.weight", r"^model\.layers\.1\.self_attn\.v_proj\.weight: checkpoint shape "
+                                               r"\(64, 63\), model expects \(64, 64\)$"),
+])
+def test_a_mis_shaped_tensor_is_refused_naming_it(name: str, message: str, hf_folders: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    folder = _edited(hf_folders["qwen3"], tmp_path / "m",
+                     lambda tensors: {**tensors, name: tensors[name][:, 1:].contiguous()})
+    with pytest.raises(ModelFormatError, match=message):
+        load_model(str(folder), dtype="float32", device="cpu")
+
+
+def test_checkpoint_tensors_the_model_has_no_use_for_are_skipped(hf_folders: dict[str, Path], tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """As transformers and vLLM do: rotary inv_freq buffers, a tied model's lm_head.weight, anything unknown."""
+    extra = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16), "lm_head.weight": torch.ones(256, 64),
+             "model.vision_tower.proj.weight": torch.ones(3, 3)}
+    folder = _edited(hf_folders["qwen2"], tmp_path / "m", lambda tensors: {**tensors, **extra})
+    with caplog.at_level(logging.DEBUG, logger="tokenmill.models.llama"):
+        with_extra = load_model(str(folder), dtype="float32", device="cpu")
+    plain = load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu")
+    assert torch.equal(our_logits(with_extra, [1, 2, 3]), our_logits(plain, [1, 2, 3]))
+    assert all(any(name in message for message in caplog.messages) for name in extra)
+
+
+def test_weights_take_the_requested_dtype_and_device_contiguous(hf_folders: dict[str, Path], device: str) -> None:
+    """However the checkpoint's tensors come (here float32, matrices transposed in memory), the parameters are the
+    compute dtype on the compute device, contiguous, and nothing is left on the meta device."""
+    folder = hf_folders["qwen3"]
+    weights = ((name, t.t().contiguous().t() if t.dim() == 2 else t) for name, t in
+               st_loader.load_weights(folder, torch.float32))
+    model = build_model(st_loader.model_config(folder), weights, torch.bfloat16, torch.device(device), 64,
+                        prepack=False)
+    params = dict(model.named_parameters())
+    assert len(params) == 3 + 2 * 8  # embeddings, norm, head; per layer 4 norms (2 for q/k), 4 matrices (2 fused)
+    for name, param in params.items():
+        assert (param.dtype, param.device.type, param.is_contiguous()) == (torch.bfloat16, device, True), name
+    buffers = dict(model.named_buffers())
+    assert buffers.keys() == {"model.rotary.cos", "model.rotary.sin"}
+    assert all(b.dtype == torch.float32 and b.device.type == device and b.shape == (64, 16) for b in buffers.values())
+
+
+def test_a_loaded_model_does_not_change_with_its_file(hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    """The parameters own their memory: safetensors maps the file, and the model must not follow it."""
+    folder = _edited(hf_folders["qwen3"], tmp_path / "m", lambda tensors: tensors)
+    loaded = load_model(str(folder), dtype="float32", device="cpu", prepack=False)
+    before = our_logits(loaded, [1, 2, 3])
+    with open(folder / "model.safetensors", "r+b") as file:  # every tensor's bytes zeroed in place
+        header = 8 + struct.unpack("<Q", file.read(8))[0]
+        file.seek(header)
+        file.write(bytes((folder / "model.safetensors").stat().st_size - header))
+    assert torch.equal(our_logits(loaded, [1, 2, 3]), before)
+
+
+def test_an_unsupported_model_type_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    with pytest.raises(ModelFormatError, match=f"^unsupported model_type 'gemma3' in {re.escape(str(tmp_path))}; "
+                                               "supported: llama, mistral, qwen2, qwen3$"):
+        load_model(str(tmp_path), device="cpu")

@@ -7,6 +7,9 @@ from torch import nn
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE over flat tokens, with cos/sin tables built once for every position served."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float, max_positions: int,
                  freq_factors: tuple[float, ...] | None = None) -> None:
         super().__init__()
@@ -16,9 +19,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.build_tables()
 
-    def build_tables(self) -> None:
-        """(Re)compute the tables on the module's device: models are built on the meta device, then filled."""
-        device = self.cos.device
+    def build_tables(self, device: torch.device | None = None) -> None:
+        """(Re)compute the tables on device (default: where they are). Models are built on the meta device and take
+        the checkpoint's tensors as parameters; these tables are non-persistent buffers, outside the state dict and
+        its strict check, so the loader builds them once the model is loaded."""
+        device = self.cos.device if device is None else torch.device(device)
         if device.type == "meta":
             return
         inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)

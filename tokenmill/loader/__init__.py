@@ -8,16 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.layers.linear import cpu_computes_bf16
 from tokenmill.loader import gguf as gguf_loader
 from tokenmill.loader import safetensors as st_loader
 from tokenmill.loader.chat_template import ChatTemplate, template_from_metadata
 from tokenmill.loader.sources import resolve
 from tokenmill.loader.tokenizer import Tokenizer
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.registry import build_model
+from tokenmill.models.registry import CausalLM, build_model
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 @dataclass
 class LoadedModel:
-    name: str
     path: Path
     config: ModelConfig
-    model: nn.Module
+    model: CausalLM
     tokenizer: Tokenizer
     chat_template: ChatTemplate
     dtype: torch.dtype
@@ -56,18 +55,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and _cpu_computes_bf16():
+    if device.type == "cpu" and cpu_computes_bf16():
         return torch.bfloat16
     return torch.float32
-
-
-def _cpu_computes_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as info:
-            flags = next((line.split() for line in info if line.startswith("flags")), [])
-            return "amx_bf16" in flags or "avx512_bf16" in flags
-    except OSError:  # not Linux: no way to tell cheaply, stay with fp32
-        return False
 
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
@@ -99,5 +89,5 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
     net = build_model(config, weights, torch_dtype, dev, served_len, prepack)
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d", path.name, config.architecture,
              config.num_layers, torch_dtype, dev, time.perf_counter() - started, served_len)
-    return LoadedModel(name=model, path=path, config=config, model=net, tokenizer=tokenizer,
+    return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer,
                        chat_template=chat_template, dtype=torch_dtype, device=dev, max_model_len=served_len)

@@ -19,8 +19,11 @@ from gguf.quants import dequantize
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.registry import MODEL_CLASSES
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# The registry's architectures under the names GGUF files carry: llama.cpp converts Mistral models as "llama" (q and
+# k rows permuted as Llama's, undone below), so no GGUF says "mistral" (gguf's MODEL_ARCH has no such name).
+ARCHITECTURES = tuple(arch for arch in MODEL_CLASSES if arch != "mistral")
 SUPPORTED_TYPES = {
     QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
     QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
@@ -51,7 +54,7 @@ class _CheckedReader(GGUFReader):
     """GGUFReader that refuses, fast, what a crafted file could make it do: read past the end of the file (the
     stock reader silently returns a short array there) or walk a count that the bytes left cannot hold."""
 
-    _MIN_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+    _MIN_BYTES: dict[int, int] = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         if offset + int(count) * np.dtype(dtype).itemsize > len(self.data):
@@ -106,9 +109,9 @@ class GGUFFile:
 
 def model_config(gguf: GGUFFile) -> ModelConfig:
     arch = gguf.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise ModelFormatError(
-            f"unsupported architecture {arch!r} in {gguf.path.name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {arch!r} in {gguf.path.name}; supported: {', '.join(ARCHITECTURES)}"
         )
     tensors = {t.name: t for t in gguf.reader.tensors}
     if "token_embd.weight" not in tensors:

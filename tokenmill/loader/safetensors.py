@@ -13,8 +13,7 @@ from safetensors import safe_open
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.models.config import ModelConfig
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from tokenmill.models.registry import MODEL_CLASSES
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -47,9 +46,9 @@ def _llama3_freq_factors(scaling: dict[str, Any], head_dim: int, theta: float) -
 def model_config(folder: Path) -> ModelConfig:
     cfg = read_json(folder / "config.json")
     model_type = cfg.get("model_type", "")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in MODEL_CLASSES:
         raise ModelFormatError(
-            f"unsupported model_type {model_type!r} in {folder}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported model_type {model_type!r} in {folder}; supported: {', '.join(MODEL_CLASSES)}"
         )
     hidden = cfg["hidden_size"]
     num_heads = cfg["num_attention_heads"]
@@ -86,4 +85,5 @@ def load_weights(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name).to(dtype)
+                # A copy: get_tensor's maps the file, so a file rewritten in place would change a served model.
+                yield name, handle.get_tensor(name).to(dtype, copy=True)

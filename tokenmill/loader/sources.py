@@ -41,7 +41,6 @@ ALIASES = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:

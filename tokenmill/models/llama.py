@@ -6,19 +6,22 @@ single matmuls and only attention looks at sequence boundaries.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.cache.kv_cache import AttentionMetadata
 from tokenmill.errors import ModelFormatError
-from tokenmill.layers.attention import attention
+from tokenmill.layers.attention import AttentionMetadata, attention
 from tokenmill.layers.linear import PackedLinear, prepack_linears
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class Attention(nn.Module):
@@ -93,11 +96,9 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-# Checkpoint tensors that land in a slice of a fused parameter: (fused name, index of the slice).
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
+# Checkpoint tensors stacked (along dim 0, in this order) into one parameter, so that each group runs as one matmul.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_INTO = {part: (fused, i) for fused, parts in _FUSED.items() for i, part in enumerate(parts)}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -106,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, max_positions)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [tokens, hidden] of a flat batch."""
@@ -123,44 +124,53 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
         prepack_linears(self)
 
-    def _fused_slice(self, param: torch.Tensor, module: str, index: int) -> torch.Tensor:
-        if module == "qkv_proj":
-            c = self.config
-            sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        else:
-            sizes = [self.config.intermediate_size] * 2
-        return param.split(sizes, dim=0)[index]
+    def _part_rows(self, fused: str) -> list[int]:
+        """The rows each checkpoint tensor takes in a fused parameter, in _FUSED's order."""
+        c = self.config
+        if fused == "qkv_proj":
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size] * 2
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names and layout) into the parameters, fusing q/k/v and gate/up."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                     device: torch.device) -> None:
+        """Take checkpoint tensors (Hugging Face names and layout) as the parameters, in dtype on device.
+
+        gpt-fast's way: the tensors are gathered into a state dict, q/k/v and gate/up stacked as they are read, and
+        load_state_dict takes it strict (every parameter, each of its shape) and by assignment (the tensors become
+        the parameters, so the model can stay on the meta device until now). Names the model has no parameter for
+        are skipped: rotary inv_freq buffers some checkpoints carry, lm_head.weight where the head is tied.
+        """
+        wanted = self.state_dict(keep_vars=True)  # names and shapes (on the meta device: nothing is allocated)
+        state: dict[str, torch.Tensor] = {}
+        parts: dict[str, list[torch.Tensor | None]] = {}  # fused parameter -> the checkpoint tensors read so far
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            module, _, kind = name.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            fused, index = _FUSED_INTO.get(leaf, (None, 0))
+            target = name if fused is None else f"{parent}.{fused}.{kind}"
+            if target not in wanted:
+                log.debug("skipping checkpoint tensor %s: the model has no parameter %s", name, target)
                 continue
-            parts = name.split(".")
-            target, index = name, None
-            if len(parts) >= 2 and parts[-2] in _FUSED:
-                fused, index = _FUSED[parts[-2]]
-                target = ".".join([*parts[:-2], fused, parts[-1]])
-            if target not in params:
-                continue  # e.g. rotary inv_freq buffers some checkpoints carry
-            param = params[target]
-            dest = param if index is None else self._fused_slice(param, target.split(".")[-2], index)
-            if dest.shape != tensor.shape:
-                raise ModelFormatError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects "
-                                       f"{tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded.add(f"{target}#{index}")
-        expected = set()
-        for name in params:
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                expected |= {f"{name}#{i}" for i in range(3)}
-            elif name.endswith("gate_up_proj.weight"):
-                expected |= {f"{name}#{i}" for i in range(2)}
-            else:
-                expected.add(f"{name}#None")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ModelFormatError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+            tensor = tensor.to(device=device, dtype=dtype)
+            if fused is None:
+                state[target] = tensor.contiguous()
+                continue
+            rows = self._part_rows(fused)
+            expected = (rows[index], *wanted[target].shape[1:])
+            if tensor.shape != expected:
+                raise ModelFormatError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
+            group = parts.setdefault(target, [None] * len(rows))
+            group[index] = tensor
+            if all(part is not None for part in group):
+                state[target] = torch.cat(cast(list[torch.Tensor], parts.pop(target)))  # a new tensor: contiguous
+        for target, group in parts.items():  # groups with a part missing
+            parent, fused, kind = target.rsplit(".", 2)
+            lacking = [f"{parent}.{part}.{kind}" for part, got in zip(_FUSED[fused], group, strict=True) if got is None]
+            raise ModelFormatError(f"the checkpoint lacks {', '.join(lacking)}")
+        try:
+            self.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as exc:  # torch names each missing tensor and each wrong shape
+            stacked = [f"{f} stacks {', '.join(p)}" for f, p in _FUSED.items() if f in str(exc)]
+            hint = f" ({'; '.join(stacked)})" if stacked else ""
+            raise ModelFormatError(f"the checkpoint does not fit the model: {exc}{hint}") from exc
