@@ -27,6 +27,24 @@ def smollm_tokenizer(smollm_path: Path) -> Tokenizer:
     return Tokenizer.from_gguf(GGUFFile(smollm_path).metadata)
 
 
+@pytest.fixture(scope="module")
+def spm_tokenizer() -> Tokenizer:
+    """A tiny SentencePiece ("llama") tokenizer: three words; any other character becomes byte tokens.
+
+    Its decoder strips the space it prepends, so a token's word-boundary space shows only after context.
+    """
+    words = ["▁Start:", "▁Hi", "▁there"]
+    pieces = sorted({w[:k] for w in words for k in range(1, len(w) + 1)} | set("".join(words)),
+                    key=lambda p: (len(p), p))
+    return Tokenizer.from_gguf({
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces,
+        "tokenizer.ggml.scores": [0.0] * 259 + [float(len(p)) for p in pieces],
+        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(pieces),
+        "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+    })
+
+
 def _check_against_transformers(tokenizer: Tokenizer, path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -88,6 +106,21 @@ def test_incremental_text_never_splits_a_character(smollm_tokenizer: Tokenizer) 
     assert "".join(deltas) == text and not stopped
     assert all("\ufffd" not in d for d in deltas)
     assert len(deltas) > 5  # streamed, not all at the end
+
+
+def test_incremental_text_keeps_the_first_word_boundary_space(spm_tokenizer: Tokenizer) -> None:
+    assert spm_tokenizer.decode(spm_tokenizer.encode("Hi")) == "Hi"  # alone, the decoder strips the space
+    deltas, _ = _stream(spm_tokenizer, "Hi there 日本", [])
+    assert deltas == [" Hi", " there", " ", "日", "本"]  # after "Start:", "▁Hi" is " Hi"; no byte alone
+
+
+def test_a_prompt_ending_inside_a_character_stays_out_of_the_text(smollm_tokenizer: Tokenizer) -> None:
+    ids = smollm_tokenizer.encode("Hi 🎉 there")
+    cut = next(i for i in range(len(ids)) if smollm_tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(smollm_tokenizer, ids[:cut], [])
+    for token in ids[cut:]:
+        detok.add_token(token)
+    assert detok.take_delta(final=True).endswith(" there") and "Hi" not in detok.text
 
 
 def test_stop_strings_cut_the_text_even_across_tokens(smollm_tokenizer: Tokenizer) -> None:

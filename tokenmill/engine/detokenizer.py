@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from tokenmill.loader.tokenizer import Tokenizer
 
-# Tokens of context decoded before the new ones, so that word-boundary spaces come out right.
-_CONTEXT_TOKENS = 5
-
 
 class IncrementalDetokenizer:
+    """The tokenizer's decode stream, with stop strings on top."""
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
                  include_stop_str: bool = False) -> None:
-        self._tokenizer = tokenizer
-        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._decode_next = tokenizer.decode_stream(prompt_ids)
         self._stop = stop
         self._include_stop = include_stop_str
         # A stop string may straddle deltas: hold back this many characters until it can be ruled out.
@@ -25,13 +21,9 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> None:
         """Decode one more token; sets `stopped` when a stop string appears."""
-        self._ids.append(token_id)
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        new_text = self._decode_next(token_id)
+        if new_text is None:
             return  # an incomplete UTF-8 sequence or a token with no text: wait for more
-        new_text = full[len(prefix):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         search_from = max(0, len(self.text) - self._holdback)
         self.text += new_text
         matches = [(at, stop) for stop in self._stop if (at := self.text.find(stop, search_from)) >= 0]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from tokenmill.errors import ModelFormatError, RequestError
 from tokenmill.loader.safetensors import read_json
@@ -20,6 +23,9 @@ END_OF_TURN_TEXTS = frozenset({
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
     "</s>", "<|return|>", "<eos>",
 })
+
+# Prompt tokens a decode stream starts from, so that word-boundary spaces come out right.
+_STREAM_CONTEXT_TOKENS = 5
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
@@ -180,9 +186,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def id_to_token(self, token_id: int) -> str:
-        return self._tok.id_to_token(token_id) or ""
+    def decode_stream(self, prompt_ids: list[int]) -> Callable[[int], str | None]:
+        """A streaming decode of the tokens that follow prompt_ids, special tokens skipped.
 
-    def token_bytes(self, token_id: int) -> list[int]:
-        """The UTF-8 bytes a single token decodes to (OpenAI's logprobs `bytes`)."""
-        return list(self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8"))
+        Call it with each new token id: it returns the text that token adds, or None while that text is still
+        an incomplete UTF-8 character (or the token adds none). The library's DecodeStream starts from the last
+        prompt ids and keeps their text out of the output: with that context the first token's word-boundary
+        space comes out as in a whole decode (a SentencePiece decoder strips the leading space of a decode).
+        """
+        context = list(prompt_ids[-_STREAM_CONTEXT_TOKENS:])
+        # DecodeStream holds its context back only where it decodes to text not ending in U+FFFD; a prompt of
+        # token ids may end inside a character, and then the context's text would come out with the first token.
+        while context and self.decode(context).endswith("\ufffd"):
+            context.pop()
+        return partial(DecodeStream(context, skip_special_tokens=True).step, self._tok)
