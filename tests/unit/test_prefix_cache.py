@@ -166,3 +166,20 @@ def test_eviction_takes_leaves_never_a_shared_inner_block() -> None:
     assert tree.evict(1) == 1  # b's tail: the shared block is not a leaf until then
     assert tree.match(a) == tree.match(b) == held[0][:1]
     assert tree.evict(2) == 1 and tree.num_blocks == 0 and pool.num_free == 16
+
+
+def test_a_parent_left_a_leaf_is_the_next_candidate_in_the_same_call() -> None:
+    tree, pool = cache(num_blocks=16)
+    a = list(range(12))
+    b = a[:8] + [50] * 4  # shares a's first two blocks: they become the parent of both tails
+    c = [60 + t for t in range(8)]  # used after both
+    held = [blocks_for(pool, s) for s in (a, b, c)]
+    for s, blocks in zip((a, b, c), held, strict=True):
+        tree.insert(s, blocks)
+        release(pool, blocks)
+    pool.ref(held[0][0])  # a live request uses the shared first block
+    # a's tail, b's tail, then the parent's unpinned block (as recent as b's tail, older than c), one block of c
+    assert tree.evict(4) == 4
+    assert tree.match(a) == tree.match(b) == held[0][:1]
+    assert tree.match(c) == held[2][:1]
+    assert tree.num_blocks == 2 and pool.refs(held[0][0]) == 2

@@ -8,6 +8,7 @@ someone besides the tree". Unpinned leaves are evicted least recently used, only
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -60,8 +61,10 @@ class RadixCache:
         """Cut node's edge after num_blocks blocks; returns the new upper node (node becomes its child). The caller
         marks the upper node used: it is on the path being inserted."""
         cut = num_blocks * self.block_size
-        upper = Node(tokens=node.tokens[:cut], blocks=node.blocks[:num_blocks], parent=node.parent)
-        node.parent.children[self._key(upper.tokens)] = upper
+        parent = node.parent
+        assert parent is not None  # the root holds no blocks: it is never split
+        upper = Node(tokens=node.tokens[:cut], blocks=node.blocks[:num_blocks], parent=parent)
+        parent.children[self._key(upper.tokens)] = upper
         node.tokens, node.blocks, node.parent = node.tokens[cut:], node.blocks[num_blocks:], upper
         upper.children[self._key(node.tokens)] = node
         return upper
@@ -97,36 +100,44 @@ class RadixCache:
         A request pins a prefix of a path, so a leaf's unpinned blocks are a suffix of its edge: trimming the tail
         keeps the edge a valid (shorter) prefix. Returns how many blocks were freed.
         """
+        # One walk fills a heap of the candidates; nothing but this loop changes the tree meanwhile. A leaf it trims
+        # in part either ends the call or keeps only pinned blocks, and the only new candidate it can make is the
+        # parent of a leaf it removes whole: pushed then, the heap stays exactly the set of candidates.
+        heap: list[tuple[int, int, int, Node]] = []
+        order = itertools.count()  # breaks ties in last_access so that Nodes are never compared
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if tail := self._evictable_tail(node):
+                heap.append((node.last_access, next(order), tail, node))
+        heapq.heapify(heap)
         freed = 0
-        while freed < num_blocks:
-            candidates = [(n, self._unpinned_tail(n)) for n in self._nodes() if not n.children and n is not self.root]
-            candidates = [(n, tail) for n, tail in candidates if tail]
-            if not candidates:
-                break
-            leaf, tail = min(candidates, key=lambda c: c[0].last_access)
+        while freed < num_blocks and heap:
+            _, _, tail, leaf = heapq.heappop(heap)
             count = min(tail, num_blocks - freed)
             for block in leaf.blocks[len(leaf.blocks) - count:]:
                 self.pool.free(block)
             keep = len(leaf.blocks) - count
             if keep == 0:
-                del leaf.parent.children[self._key(leaf.tokens)]
+                parent = leaf.parent
+                assert parent is not None  # the root holds no blocks: it is never a candidate
+                del parent.children[self._key(leaf.tokens)]
+                if tail := self._evictable_tail(parent):
+                    heapq.heappush(heap, (parent.last_access, next(order), tail, parent))
             leaf.blocks, leaf.tokens = leaf.blocks[:keep], leaf.tokens[: keep * self.block_size]
             self.num_blocks -= count
             freed += count
         return freed
 
-    def _unpinned_tail(self, node: Node) -> int:
+    def _evictable_tail(self, node: Node) -> int:
+        """How many blocks at the end of a leaf's edge only the tree holds; 0 for an inner node, and for the root,
+        which holds no blocks."""
+        if node.children:
+            return 0
         count = 0
         for block in reversed(node.blocks):
             if self.pool.refs(block) != 1:
                 break
             count += 1
         return count
-
-    def _nodes(self) -> list[Node]:
-        out, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
