@@ -8,11 +8,41 @@ Contiguous: every sequence attends on its own over its buffer.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.cache.kv_cache import AttentionMetadata, ContiguousMetadata, PagedMetadata
+
+@dataclass
+class SequenceSlice:
+    seq_id: int
+    start: int  # tokens of this sequence already in the cache (its first new token's position)
+    num_tokens: int  # new tokens of this sequence in the flat batch
+
+
+@dataclass
+class PagedMetadata:
+    """A step over a paged pool. Decoding sequences (one new token each) come first in the flat batch."""
+
+    k_cache: torch.Tensor  # [layers, blocks, block size, kv heads, dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [tokens]: where each new token's K/V goes in the flattened pool
+    num_decodes: int
+    decode_tables: torch.Tensor  # [decodes * max blocks]: the block tables, flat, padded with the null block
+    decode_mask: torch.Tensor  # [decodes, 1, 1, max blocks * block size]: True where a key exists
+    prefills: list[tuple[SequenceSlice, torch.Tensor]]  # (slice, its block table), for the rest
+
+
+@dataclass
+class ContiguousMetadata:
+    """A step over per-sequence buffers: each slice's [layers, 2 (k, v), capacity, kv heads, dim]."""
+
+    slices: list[SequenceSlice]
+    buffers: list[torch.Tensor]
+
+
+AttentionMetadata = PagedMetadata | ContiguousMetadata
 
 
 def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
@@ -69,8 +99,7 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def _paged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
            scale: float) -> torch.Tensor:
-    cache = meta.cache
-    k_cache, v_cache = cache.k[layer], cache.v[layer]  # [blocks, block size, kv heads, dim]
+    k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]  # [blocks, block size, kv heads, dim]
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
@@ -95,9 +124,9 @@ def _contiguous(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
                 scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
     row = 0
-    for s in meta.slices:
+    for s, buffer in zip(meta.slices, meta.buffers, strict=True):
         rows = slice(row, row + s.num_tokens)
-        buf = meta.cache.buffers[s.seq_id][layer]
+        buf = buffer[layer]
         end = s.start + s.num_tokens
         buf[0, s.start:end] = k[rows]
         buf[1, s.start:end] = v[rows]

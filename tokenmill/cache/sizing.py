@@ -1,0 +1,59 @@
+"""How much KV memory a server gets, and the cache built from it."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from tokenmill.cache.kv_cache import ContiguousKVCache, KVCache, KVSpec, PagedKVCache
+from tokenmill.config import EngineConfig
+from tokenmill.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a plain byte count."""
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError as exc:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB, 1.5GB)") from exc
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * 0.85)
+    # On CPU the KV pool shares RAM with everything else: take a tenth of what is available (MemAvailable counts
+    # the page cache the kernel would give back; the sysconf fallback, for systems without /proc, does not).
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 10
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 10
+
+
+def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max_tokens_needed: int) -> KVCache:
+    """Size KV memory from config.kv_cache_memory or the free memory, never beyond max_tokens_needed tokens."""
+    budget = parse_size(config.kv_cache_memory) if config.kv_cache_memory else _available_memory(device)
+    tokens = min(budget // spec.bytes_per_token, max_tokens_needed)
+    cache: KVCache
+    if config.kv == "paged":
+        num_blocks = tokens // config.block_size
+        if num_blocks < 1:
+            raise ConfigError(f"KV memory of {budget} bytes holds no block of {config.block_size} tokens")
+        cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching)
+    elif config.kv == "contiguous":
+        if config.prefix_caching:
+            log.info("prefix caching needs the paged layout: off with --kv contiguous")
+        cache = ContiguousKVCache(spec, device, tokens)
+    else:
+        raise ConfigError(f"unknown KV layout {config.kv!r}: choose paged or contiguous")
+    log.info("KV cache: %s, %.2f GiB for %d tokens (%d bytes per token)", config.kv,
+             cache.capacity_tokens * spec.bytes_per_token / 2**30, cache.capacity_tokens, spec.bytes_per_token)
+    return cache
