@@ -1,4 +1,5 @@
-"""One exception type per failure class; api/app.py maps them to OpenAI error objects."""
+"""One exception type per failure class. They say what went wrong in the domain's terms; api/errors.py is the one
+place that maps them to HTTP statuses and OpenAI error objects."""
 
 from __future__ import annotations
 
@@ -11,20 +12,32 @@ class ModelFormatError(TokenmillError):
     """A model file or folder that cannot be loaded: unsupported architecture, quant type, missing file."""
 
 
-class RequestError(TokenmillError):
-    """A client's mistake: answered with a 4xx OpenAI error object."""
+class ConfigError(TokenmillError):
+    """Settings that cannot work together: the server refuses to start, saying which."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
+
+class RequestError(TokenmillError):
+    """A client's mistake in a request: `param` names the field at fault, `code` is a stable machine-readable
+    reason where one exists (e.g. context_length_exceeded)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
-        self.status = status
         self.code = code
-        self.type = type
-        self.headers = headers
+
+
+class ModelNotFoundError(RequestError):
+    """The request names a model this server does not serve."""
+
+
+class ServerBusyError(TokenmillError):
+    """The waiting queue is full: the request may succeed later."""
+
+
+class EngineUnavailableError(TokenmillError):
+    """The engine is not running (it failed, or the server is stopping)."""
 
 
 class EngineError(TokenmillError):
-    """The engine failed a request (the model raised while running it): a 500, the server keeps serving."""
+    """The engine failed a request (the model raised while running it); the server keeps serving."""

@@ -13,9 +13,9 @@ EOS = 7
 
 
 def seq(seq_id: int = 0, output: list[int] | None = None, prompt: list[int] | None = None, **params) -> Sequence:
-    p = SamplingParams(**params)
+    p = SamplingParams(**{"max_tokens": 100, **params})
     gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-    return Sequence(seq_id=seq_id, prompt_ids=prompt or [1, 2, 3], params=p, max_tokens=100, detokenizer=None,
+    return Sequence(seq_id=seq_id, prompt_ids=prompt or [1, 2, 3], params=p, detokenizer=None,
                     sink=lambda _: None, generator=gen, output_ids=list(output or []))
 
 

@@ -5,31 +5,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.cache.kv_cache import ContiguousKVCache, PagedKVCache
+from tokenmill.cache.kv_cache import ContiguousKVCache, KVSpec, PagedKVCache
+from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Sequence, Status
-from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
-from tokenmill.models.config import ModelConfig
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.sampling import SamplingParams
 
 BLOCK = 4
-# The smallest model shape: the caches' tensors are a few floats, their bookkeeping is the real one.
-TINY = ModelConfig(architecture="llama", vocab_size=64, hidden_size=4, intermediate_size=4, num_layers=1,
-                   num_heads=1, num_kv_heads=1, head_dim=1, rms_norm_eps=1e-5, rope_theta=1e4,
-                   max_position_embeddings=4096, tie_word_embeddings=True)
+# The smallest KV shape: the caches' tensors are a few floats, their bookkeeping is the real one.
+TINY = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
 CPU = torch.device("cpu")
 
 
 def make(seq_id: int, prompt_len: int, max_tokens: int = 8, prompt: list[int] | None = None) -> Sequence:
-    return Sequence(seq_id=seq_id, prompt_ids=prompt or [1] * prompt_len, params=SamplingParams(),
-                    max_tokens=max_tokens, detokenizer=None, sink=lambda _: None)
+    return Sequence(seq_id=seq_id, prompt_ids=prompt or [1] * prompt_len,
+                    params=SamplingParams(max_tokens=max_tokens), detokenizer=None, sink=lambda _: None)
+
+
+def new_scheduler(kv, attention_crossover: int = 0, **config) -> Scheduler:
+    """No long-prompt cap unless a test sets one."""
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=0, long_prefill_chunk=0)
+    return Scheduler(EngineConfig(**{**defaults, **config}), kv, max_model_len=4096,
+                     attention_crossover=attention_crossover)
 
 
 def run(sched: Scheduler, plan) -> None:
-    """What the engine does after a successful step: progress, and a token for whoever reached the end."""
-    sched.step_succeeded(plan)
-    for item in plan:
-        if item.seq.num_computed_tokens == item.seq.num_tokens:
-            item.seq.output_ids.append(5)
+    """What the engine does after a successful step: token 5 for whoever reached the end."""
+    sched.update(plan, [[5] for item in plan if item.samples])
 
 
 def step(sched: Scheduler) -> list[tuple[int, int]]:
@@ -40,9 +42,8 @@ def step(sched: Scheduler) -> list[tuple[int, int]]:
 
 
 def scheduler(num_blocks: int = 100, prefix_caching: bool = False, **config) -> tuple[Scheduler, PagedKVCache]:
-    kv = PagedKVCache(TINY, torch.float32, CPU, num_blocks, BLOCK, prefix_caching)
-    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64)
-    return Scheduler(SchedulerConfig(**{**defaults, **config}), kv), kv
+    kv = PagedKVCache(TINY, CPU, num_blocks, BLOCK, prefix_caching)
+    return new_scheduler(kv, **config), kv
 
 
 def test_admits_by_free_blocks_and_seq_cap() -> None:
@@ -106,7 +107,7 @@ def test_preempts_the_newest_and_resumes_it_first() -> None:
     sched.add(late)
     run(sched, sched.schedule())  # each needs an 8th token slot: still inside block 2
     plan = sched.schedule()  # the 9th token needs a third block: the newest (2) is preempted
-    assert sched.num_preemptions >= 1
+    assert sched.stats.preemptions >= 1
     assert seqs[2].status == Status.WAITING and seqs[2].num_computed_tokens == 0
     assert list(sched.waiting)[:2] == [seqs[2], late]  # preempted work resumes before new work
     assert {p.seq.seq_id for p in plan} <= {0, 1}
@@ -174,7 +175,7 @@ def test_long_prompts_share_the_cap_and_short_ones_go_whole() -> None:
 def test_a_long_prompt_chunk_shrinks_as_its_context_grows() -> None:
     sched, _ = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=4, long_prefill_chunk=16,
                          attention_crossover=32)
-    sched.add(first := make(0, 2))
+    sched.add(first := make(0, 2, max_tokens=1000))
     run(sched, sched.schedule())
     sched.add(long := make(1, 200))
     chunks = []
@@ -257,14 +258,14 @@ def test_long_prompts_are_charged_for_their_context() -> None:
 def test_a_long_prompt_left_without_budget_does_not_hold_up_the_sequences_after_it() -> None:
     # crossover 4: a prompt token at context c costs 1 + c / 4 of the cap of 4
     sched, _ = scheduler(long_prefill_token_threshold=4, long_prefill_chunk=4, attention_crossover=4)
-    sched.add(make(0, 1))
+    sched.add(make(0, 1, max_tokens=1000))
     step(sched)
     sched.add(make(1, 200))
     step(sched)
     step(sched)
     sched.add(make(2, 200))
     assert dict(step(sched))[2] == 1  # 1, at context 6, left 1.5 of the cap: 2 starts
-    sched.add(make(3, 1))
+    sched.add(make(3, 1, max_tokens=1000))
     skipped = 0
     for _ in range(16):
         plan = dict(step(sched))
@@ -276,15 +277,16 @@ def test_a_long_prompt_left_without_budget_does_not_hold_up_the_sequences_after_
 
 
 def test_contiguous_kv_is_reserved_for_the_prompt_and_every_token_it_may_generate() -> None:
-    kv = ContiguousKVCache(TINY, torch.float32, CPU, capacity_tokens=30)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    kv = ContiguousKVCache(TINY, CPU, capacity_tokens=30)
+    sched = new_scheduler(kv)
     sched.add(make(0, 6, max_tokens=10))
     sched.add(make(1, 6, max_tokens=9))
     sched.add(make(2, 6, max_tokens=1))
     assert step(sched) == [(0, 6)]  # 16 of 30 reserved; 1 needs 15: it waits, and nobody overtakes it
     assert kv.buffers[0].shape[2] == 16
     sched.finish(sched.running[0], "stop")
-    assert step(sched) == [(1, 6), (2, 6)] and kv.usage() == (15 + 7) / 30
+    plan = sched.schedule()
+    assert [(p.seq.seq_id, p.num_tokens) for p in plan] == [(1, 6), (2, 6)] and kv.usage() == (15 + 7) / 30
 
 
 def test_preemption_takes_the_newest_admits_nobody_that_step_and_is_counted_once() -> None:
@@ -292,12 +294,12 @@ def test_preemption_takes_the_newest_admits_nobody_that_step_and_is_counted_once
     seqs = [make(i, 7, max_tokens=12) for i in range(3)]
     for s in seqs:
         sched.add(s)
-    assert sched.num_preemptions == 0 and step(sched) == [(0, 7), (1, 7), (2, 7)]
+    assert sched.stats.preemptions == 0 and step(sched) == [(0, 7), (1, 7), (2, 7)]
     sched.add(make(3, 1))
     assert step(sched) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # 7 blocks: all taken
     plan = sched.schedule()  # 0 and 1 need a third block: 3, then 2, the newest, give theirs back
     assert [(p.seq.seq_id, p.num_tokens) for p in plan] == [(0, 1), (1, 1)]
-    assert sched.num_preemptions == 2 and [s.seq_id for s in sched.waiting] == [2, 3]
+    assert sched.stats.preemptions == 2 and [s.seq_id for s in sched.waiting] == [2, 3]
     assert kv.pool.num_free == 1  # 2's 2 blocks and 3's 1 freed, 2 taken: nobody new was admitted
     run(sched, plan)
     preempted = 2
@@ -309,7 +311,7 @@ def test_preemption_takes_the_newest_admits_nobody_that_step_and_is_counted_once
         for s in list(sched.running):
             if len(s.output_ids) >= s.max_tokens:
                 sched.finish(s, "length")
-    assert sched.num_preemptions == preempted and kv.pool.num_free == 7
+    assert sched.stats.preemptions == preempted and kv.pool.num_free == 7
 
 
 def test_nobody_is_admitted_in_a_step_that_had_to_preempt() -> None:
@@ -369,10 +371,11 @@ def test_prefix_hits_are_counted_once_per_request_and_never_cover_the_last_token
     sched.add(longer := make(2, 0, prompt=tokens(10, 9)))
     assert step(sched) == [(0, 1), (2, 1), (1, 4)]
     assert (repeat.num_cached_tokens, longer.num_cached_tokens) == (4, 8)
-    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (25, 12)
-    sched._preempt(repeat)  # resumed later: its cache hit again is not a new lookup
+    assert (sched.stats.prefix_queried_tokens, sched.stats.prefix_hit_tokens) == (25, 12)
+    sched._evict(repeat)  # resumed later: its cache hit again is not a new lookup
     step(sched)
-    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (25, 12) and repeat.num_cached_tokens == 4
+    assert (sched.stats.prefix_queried_tokens, sched.stats.prefix_hit_tokens) == (25, 12)
+    assert repeat.num_cached_tokens == 4
 
 
 def test_a_prompt_that_does_not_fit_drops_its_prefix_references() -> None:
@@ -389,9 +392,8 @@ def test_a_prompt_that_does_not_fit_drops_its_prefix_references() -> None:
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_a_failed_batch_reruns_each_sequence_alone_with_its_whole_length(layout: str) -> None:
-    kv = (PagedKVCache(TINY, torch.float32, CPU, 64, BLOCK) if layout == "paged"
-          else ContiguousKVCache(TINY, torch.float32, CPU, 200))
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    kv = PagedKVCache(TINY, CPU, 64, BLOCK) if layout == "paged" else ContiguousKVCache(TINY, CPU, 200)
+    sched = new_scheduler(kv)
     seqs = [make(i, 6, max_tokens=10) for i in range(3)]
     for s in seqs:
         sched.add(s)
@@ -405,3 +407,50 @@ def test_a_failed_batch_reruns_each_sequence_alone_with_its_whole_length(layout:
         assert len(kv.tables[0]) == 3
     else:
         assert kv.buffers[0].shape[2] == 16
+
+
+def decoding(sched: Scheduler, *params: dict) -> list[Sequence]:
+    """Sequences through their prefill (token 9 sampled), ready to decode."""
+    seqs = [Sequence(seq_id=100 + len(sched.running) + i, prompt_ids=[1] * 5,
+                     params=SamplingParams(**{"max_tokens": 100, **p}), detokenizer=None, sink=lambda _: None)
+            for i, p in enumerate(params)]
+    for seq in seqs:
+        sched.add(seq)
+    assert sched.update(sched.schedule(), [[9]] * len(seqs)) == []
+    return seqs
+
+
+def test_update_appends_and_stops_by_token() -> None:
+    kv = PagedKVCache(TINY, CPU, 100, BLOCK)
+    sched = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64), kv, max_model_len=20,
+                      eos_token_ids={7})
+    cases = [
+        ({}, [3, 7], [9, 3, 7], "stop"),  # the model's end of sequence
+        ({"ignore_eos": True}, [7, 7], [9, 7, 7], None),  # ...not with ignore_eos
+        ({"stop_token_ids": [4], "ignore_eos": True}, [4], [9, 4], "stop"),  # a request's own stop token
+        ({"max_tokens": 3}, [3, 3], [9, 3, 3], "length"),
+        ({}, [3] * 15, [9] + [3] * 14, "length"),  # the context ends at 20 tokens: 5 in the prompt
+    ]
+    for params, tokens, output, reason in cases:
+        [seq] = decoding(sched, params)
+        for token in tokens:
+            if seq.status == Status.FINISHED:
+                break
+            plan = sched.schedule()
+            finished = sched.update(plan, [[token]])
+            assert finished == ([seq] if seq.status == Status.FINISHED else [])
+        assert (seq.output_ids, seq.finish_reason) == (output, reason), params
+        if reason is not None:
+            assert seq.seq_id not in kv.tables  # a finished sequence's KV is back in the pool
+        else:
+            sched.finish(seq, "abort")
+    assert kv.pool.num_used == 0
+
+
+def test_update_appends_several_tokens_up_to_the_first_that_stops() -> None:
+    sched = Scheduler(EngineConfig(), PagedKVCache(TINY, CPU, 100, BLOCK), max_model_len=100, eos_token_ids={7})
+    a, b = decoding(sched, {}, {"max_tokens": 3})
+    plan = sched.schedule()
+    assert sched.update(plan, [[3, 7, 5], [4, 4, 4]]) == [a, b]
+    assert (a.output_ids, a.finish_reason) == ([9, 3, 7], "stop")  # what followed the stop is dropped
+    assert (b.output_ids, b.finish_reason) == ([9, 4, 4], "length")

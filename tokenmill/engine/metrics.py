@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tokenmill.engine.scheduler import Scheduler
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+
+
+class _KVUsage(Protocol):
+    def usage(self) -> float: ...
 
 
 class EngineMetrics:
@@ -26,6 +34,16 @@ class EngineMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between successive tokens.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+
+    def record(self, scheduler: Scheduler, kv: _KVUsage) -> None:
+        """Once per loop turn: the gauges' current values, and what the scheduler counted since the last turn."""
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.kv_usage.set(kv.usage())
+        stats = scheduler.take_stats()
+        self.preemptions.inc(stats.preemptions)
+        self.prefix_queries.inc(stats.prefix_queried_tokens)
+        self.prefix_hits.inc(stats.prefix_hit_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -44,8 +44,7 @@ class SequenceOutput:
 class Sequence:
     seq_id: int
     prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # resolved against the context length
+    params: SamplingParams  # max_tokens resolved against the context at admission
     detokenizer: IncrementalDetokenizer
     sink: Callable[[SequenceOutput], None]  # called on the engine thread; must be thread-safe
     generator: torch.Generator | None = None  # seeded requests sample from their own stream
@@ -56,13 +55,30 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # Outputs of the current step not yet handed to the sink.
-    pending_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_sent_tokens: int = 0  # of output_ids, those already handed to the sink
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens not yet sent
+
+    def __post_init__(self) -> None:
+        if self.params.max_tokens is None:
+            raise ValueError("max_tokens is resolved against the context before a sequence is made")
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens  # type: ignore[return-value]  # never None: see __post_init__
+
+    @property
+    def final_len(self) -> int:
+        """The most tokens this sequence can reach: what its KV memory is reserved against."""
+        return len(self.prompt_ids) + self.max_tokens
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def decoding(self) -> bool:
+        """One token left to run: the step after it samples (a decode, or a prompt's last token)."""
+        return self.num_tokens - self.num_computed_tokens == 1
 
     def tokens(self, start: int, end: int) -> list[int]:
         prompt_len = len(self.prompt_ids)

@@ -109,8 +109,8 @@ class Sampler:
         logprobs = raw.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         k_max = max(k for k in wanted if k is not None)
-        top_vals, top_ids = logprobs.topk(k_max, dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        best = logprobs.topk(k_max, dim=-1)
+        top_vals, top_ids = best.values.tolist(), best.indices.tolist()
         out: list[TokenLogprob | None] = []
         for i, k in enumerate(wanted):
             if k is None:
