@@ -20,11 +20,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from tokenmill.api.app import create_app
+from tokenmill.api.engine_client import EngineClient, RequestStream
 from tokenmill.api.guards import ServingState
 from tokenmill.api.server import TokenmillServer
-from tokenmill.cache.kv_cache import PagedKVCache, SequenceSlice
+from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.engine import Engine
+from tokenmill.layers.attention import SequenceSlice
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
 
@@ -198,7 +200,7 @@ def save_random_hf_model(folder: Path, config: Any) -> None:
 
 
 async def _generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    streams = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    streams = [submit(engine, p, sp) for p, sp in zip(prompts, params, strict=True)]
 
     async def collect(stream) -> list[int]:
         ids: list[int] = []
@@ -209,6 +211,16 @@ async def _generate(engine: Engine, prompts: list[list[int]], params: list[Sampl
     return list(await asyncio.gather(*(collect(s) for s in streams)))
 
 
+def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    """One sequence through the API's admission, as a route submits it (call from an event loop)."""
+    return EngineClient(engine).submit([prompt_ids], params)[0]
+
+
+def counted(counter: Any) -> float:
+    """A Prometheus counter's value, read in-process."""
+    return counter.collect()[0].samples[0].value
+
+
 def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     """Submit several sequences at once (so they share engine steps) and return their token ids."""
     return asyncio.run(_generate(engine, prompts, params))
@@ -216,7 +228,9 @@ def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
 
 def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one prompt, prefilled whole on the model's device, returned on the CPU."""
-    cache = PagedKVCache(loaded.config, loaded.dtype, loaded.device, num_blocks=len(ids) // 16 + 1, block_size=16)
+    c = loaded.config
+    spec = KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype)
+    cache = PagedKVCache(spec, loaded.device, num_blocks=len(ids) // 16 + 1, block_size=16)
     assert cache.reserve(0, len(ids), len(ids))
     with torch.inference_mode():
         meta = cache.prepare([SequenceSlice(0, 0, len(ids))])

@@ -9,13 +9,13 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Collection
 
-from tokenmill.bench.workloads import WORKLOADS, WorkloadParams
 from tokenmill.config import EngineConfig, ServerConfig
-from tokenmill.errors import ModelFormatError
+from tokenmill.errors import ConfigError, ModelFormatError
 
 
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset()) -> None:
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Collection[str] = ()) -> None:
     """One --flag per dataclass field, typed and defaulted by the field itself."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -28,8 +28,8 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[s
         if kind is bool:  # --flag / --no-flag
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         elif typing.get_origin(kind) is tuple:  # tuple[str, ...]: one value per flag, repeated for several
-            parser.add_argument(flag, action="append", type=typing.get_args(kind)[0], default=list(f.default),
-                                help=help_)
+            default = list(typing.cast(tuple, f.default))
+            parser.add_argument(flag, action="append", type=typing.get_args(kind)[0], default=default, help=help_)
         else:
             parser.add_argument(flag, type=kind, default=f.default, help=help_)
 
@@ -39,7 +39,8 @@ def _pick(cls: type, args: argparse.Namespace) -> typing.Any:
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
+    """bench_flags: give `bench` its flags, which imports tokenmill.bench (main does for `tokenmill bench` only)."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="An OpenAI-compatible LLM server.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
@@ -50,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="fetch an embedded default model into the cache")
     pull.add_argument("alias")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (see tokenmill/bench/README.md)")
+    if bench_flags:
+        _add_bench_flags(bench)
+    return parser
+
+
+def _add_bench_flags(bench: argparse.ArgumentParser) -> None:
+    from tokenmill.bench.workloads import WORKLOADS, WorkloadParams
+
     bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL "
                        "(default: %(default)s)")
     bench.add_argument("--model", help="the model to ask for (default: the first id of /v1/models)")
@@ -66,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="PATH", help="write latency histograms and throughput over time as PNG")
     bench.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two reports side by side")
     bench.add_argument("--log-level", default="warning", help="(default: %(default)s)")
-    return parser
 
 
 def with_env_api_keys(config: ServerConfig) -> ServerConfig:
@@ -94,7 +102,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine = Engine(engine_config)
     engine.start()  # loads the model on the engine thread
     model_id = server_config.served_model_name or engine_config.model
-    path = engine.loaded.path
+    path = engine.model_path
     state = ServingState()
     app = create_app(engine, model_id, {engine_config.model, str(path), path.name}, server_config, state)
     log.info("serving %s on http://%s:%d/v1", model_id, server_config.host, server_config.port)
@@ -107,8 +115,23 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     return server.exit_code
 
 
+def _bench_main() -> typing.Callable[[argparse.Namespace], int]:
+    """tokenmill bench's entry point, or a clear exit where the `bench` extra is not installed."""
+    try:
+        from tokenmill.bench.client import main as bench_main
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").split(".")[0]
+        if package not in ("httpx", "matplotlib"):  # pyproject.toml's `bench` extra
+            raise
+        print(f"tokenmill: bench needs {package}, which is not installed: pip install 'tokenmill[bench]'",
+              file=sys.stderr)
+        sys.exit(2)
+    return bench_main
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(bench_flags=argv[:1] == ["bench"]).parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -119,9 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "serve":
             sys.exit(serve(_pick(EngineConfig, args), _pick(ServerConfig, args)))
         elif args.command == "bench":
-            from tokenmill.bench.client import main as bench_main
-
-            sys.exit(bench_main(args))
-    except ModelFormatError as exc:
+            sys.exit(_bench_main()(args))
+    except (ModelFormatError, ConfigError) as exc:
         print(f"tokenmill: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -11,11 +11,13 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from helpers import ServerThread, assert_no_live_blocks, start_engine
+from helpers import ServerThread, assert_no_live_blocks, generate, start_engine, submit
 
 from tokenmill.api.app import create_app
+from tokenmill.api.engine_client import EngineClient
+from tokenmill.api.errors import http_status
 from tokenmill.config import ServerConfig
-from tokenmill.errors import RequestError
+from tokenmill.errors import ConfigError, RequestError, ServerBusyError
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
 
@@ -53,6 +55,16 @@ CASES = [
     ("text/plain body", "POST", CHAT, b"hello", {"content-type": "text/plain"}, 400, None),
     ("NaN literal", "POST", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
                                   b'"temperature": NaN}', {}, 400, "temperature"),
+    # JSON escapes that parse but are no Unicode: refused, naming the field, before a tokenizer sees them
+    ("lone surrogate in content", "POST", CHAT, b'{"model": "tiny", "messages": [{"role": "user", '
+                                                b'"content": "a\\ud800b"}]}', {}, 400, "messages.0.content"),
+    ("lone surrogate in a content part", "POST", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                                                       b'[{"type": "text", "text": "\\udfff"}]}]}', {}, 400,
+     "messages.0.content.0.text"),
+    ("lone surrogate in a prompt", "POST", COMPLETIONS, b'{"model": "tiny", "prompt": ["ok", "\\udc00"]}', {}, 400,
+     "prompt.1"),
+    ("lone surrogate in a stop string", "POST", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", '
+                                                             b'"stop": "\\ud83d"}', {}, 400, "stop"),
     ("missing model", "POST", CHAT, {"messages": HI}, {}, 400, "model"),
     ("missing messages", "POST", CHAT, {"model": MODEL}, {}, 400, "messages"),
     ("messages not a list", "POST", CHAT, chat(messages="hi"), {}, 400, "messages"),
@@ -172,23 +184,40 @@ def test_body_size_and_nesting_are_accepted_at_their_limit_and_refused_one_past_
     assert "nests deeper than 32 levels" in response.json()["error"]["message"]
 
 
+def test_kv_memory_below_one_context_caps_the_context_served(tiny4k: LoadedModel) -> None:
+    kv_64_tokens = str(4 * 16 * 512)
+    engine = start_engine(tiny4k, kv_cache_memory=kv_64_tokens)
+    try:
+        assert (tiny4k.max_model_len, engine.max_model_len) == (CONTEXT, 64)
+        # max_tokens left out: the rest of the served context, which the KV memory holds
+        [tokens] = generate(engine, [[5] * 10], [SamplingParams(max_tokens=None, ignore_eos=True)])
+        assert len(tokens) == 54
+    finally:
+        engine.stop()
+    with pytest.raises(ConfigError, match=f"--max-model-len {CONTEXT} needs KV memory for {CONTEXT} tokens; "
+                                         "--kv-cache-memory holds 64"):
+        start_engine(tiny4k, kv_cache_memory=kv_64_tokens, max_model_len=CONTEXT)
+
+
 def test_the_queue_and_the_kv_cache_hold_exactly_what_they_are_sized_for(tiny4k: LoadedModel) -> None:
     engine = start_engine(tiny4k, max_num_seqs=1, max_queued_requests=2, kv_cache_memory=str(4 * 16 * 512))
+    client = EngineClient(engine)
 
     async def scenario() -> None:
-        running = engine.submit([5] * 10, SamplingParams(max_tokens=54, ignore_eos=True))  # 64: the whole cache
-        with pytest.raises(RequestError, match="more than the server's whole KV cache holds"):
-            engine.submit([5] * 10, SamplingParams(max_tokens=55))
+        running = submit(engine, [5] * 10, SamplingParams(max_tokens=54, ignore_eos=True))  # 64: the whole cache
+        # the served context is capped to what the KV memory holds (64 tokens of the model's 4096)
+        with pytest.raises(RequestError, match="maximum context length is 64 tokens"):
+            submit(engine, [5] * 10, SamplingParams(max_tokens=55))
         outputs = aiter(running)
         await anext(outputs)
         await anext(outputs)  # a step later: the engine counts it as running
-        engine.check_capacity(2)
-        with pytest.raises(RequestError) as busy:
-            engine.check_capacity(3)
-        assert busy.value.status == 429
-        queued = [engine.submit([5] * 10, SamplingParams(max_tokens=2)) for _ in range(2)]
-        with pytest.raises(RequestError):
-            engine.check_capacity(1)
+        client._check_capacity(2)
+        with pytest.raises(ServerBusyError) as busy:
+            client._check_capacity(3)
+        assert http_status(busy.value) == 429
+        queued = [submit(engine, [5] * 10, SamplingParams(max_tokens=2)) for _ in range(2)]
+        with pytest.raises(ServerBusyError):
+            client._check_capacity(1)
         for stream in (running, *queued):
             stream.abort()
             async for _ in stream:  # to its last output, before this event loop closes

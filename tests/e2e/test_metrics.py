@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 import openai
-from helpers import ServerThread, read_metrics
+from helpers import ServerThread, counted, read_metrics
 
 from tokenmill.loader import LoadedModel
 
@@ -66,7 +66,7 @@ def test_preemptions_are_counted(tiny4k: LoadedModel) -> None:
         reply = client(srv).completions.create(model="tiny", prompt=[PROMPT, PROMPT[1:], PROMPT[2:], PROMPT[3:]],
                                                max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 4 * 60
-        preemptions = srv.engine.scheduler.num_preemptions
+        preemptions = counted(srv.engine.metrics.preemptions)
         assert preemptions > 0
         done = metrics_when(srv, lambda m: m["tokenmill:num_preemptions_total"] == preemptions)
         assert done["tokenmill:num_preemptions_total"] == preemptions

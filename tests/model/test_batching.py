@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import assert_no_live_blocks, generate, start_engine
+from helpers import assert_no_live_blocks, counted, generate, start_engine, submit
 
 from tokenmill.errors import RequestError
 from tokenmill.loader import LoadedModel
@@ -67,7 +67,7 @@ def test_preemption_recomputes_to_the_same_tokens(smollm, prompt_ids, alone) -> 
     engine = start_engine(smollm, kv_cache_memory=str(10 * 16 * 46080), block_size=16)
     try:
         assert generate(engine, prompt_ids, [greedy() for _ in prompt_ids]) == alone
-        assert engine.scheduler.num_preemptions > 0
+        assert counted(engine.metrics.preemptions) > 0
         assert_no_live_blocks(engine)
     finally:
         engine.stop()
@@ -105,9 +105,9 @@ def test_a_request_that_can_never_fit_is_refused_before_it_queues(smollm, prompt
     engine = start_engine(smollm, kv_cache_memory=str(4 * 16 * 46080), block_size=16)  # 64 tokens in all
     try:
         with pytest.raises(RequestError, match="64 tokens"):
-            engine.submit(prompt_ids[3], SamplingParams(max_tokens=40))
+            submit(engine, prompt_ids[3], SamplingParams(max_tokens=40))
         with pytest.raises(RequestError, match="maximum context length"):
-            engine.submit(prompt_ids[0], SamplingParams(max_tokens=9000))
+            submit(engine, prompt_ids[0], SamplingParams(max_tokens=9000))
         assert generate(engine, [prompt_ids[1]], [greedy()])[0]  # what fits still runs
     finally:
         engine.stop()

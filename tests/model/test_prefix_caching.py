@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from helpers import assert_no_live_blocks, generate, start_engine
+from helpers import assert_no_live_blocks, counted, generate, start_engine, submit
 
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.sampling import SamplingParams
@@ -42,8 +42,7 @@ def test_same_tokens_with_and_without_the_cache_for_prefixes_of_many_lengths(smo
     cached, engine = run_one_by_one(smollm, prompts)
     uncached, _ = run_one_by_one(smollm, prompts, prefix_caching=False)
     assert cached == uncached
-    sched = engine.scheduler
-    assert sched.prefix_hit_tokens >= 16 * 20  # later prompts reuse the earlier ones' blocks
+    assert counted(engine.metrics.prefix_hits) >= 16 * 20  # later prompts reuse the earlier ones' blocks
     assert engine.kv_cache.prefix_cache.num_blocks > 0 and engine.kv_cache.usage() == 0
 
 
@@ -53,10 +52,10 @@ def test_a_chat_turn_reuses_the_previous_turn(smollm: LoadedModel) -> None:
         history = smollm.tokenizer.encode(SYSTEM + " Which is the longest river of Europe?")
         answer = generate(engine, [history], [greedy()])[0]
         turn2 = history + answer + smollm.tokenizer.encode(" And the second longest?")
-        before = engine.scheduler.prefix_hit_tokens
+        before = counted(engine.metrics.prefix_hits)
         generate(engine, [turn2], [greedy()])
         # the whole first turn (prompt and answer) was cached at finish, up to its last full block
-        assert engine.scheduler.prefix_hit_tokens - before == (len(history) + len(answer) - 1) // 16 * 16
+        assert counted(engine.metrics.prefix_hits) - before == (len(history) + len(answer) - 1) // 16 * 16
     finally:
         engine.stop()
 
@@ -102,7 +101,7 @@ def run_one(engine, prompt: list[int]) -> tuple[list[int], int]:
 
     async def collect() -> tuple[list[int], int]:
         ids, cached = [], -1
-        async for out in engine.submit(prompt, greedy()):
+        async for out in submit(engine, prompt, greedy()):
             ids += out.token_ids
             cached = out.cached_tokens
         return ids, cached

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tokenmill.api.guards import RequestGuard, ServingState, error_body, error_response, json_depth
+from tokenmill.api.errors import error_body, error_response
+from tokenmill.api.guards import RequestGuard, ServingState, json_depth
 
 LIMIT = 64  # body bytes
 DEPTH = 4

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from fastapi.responses import JSONResponse
 
+from tokenmill.api.errors import error_response
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -25,15 +27,6 @@ OPEN_ROUTES = {"/health"}  # no API key needed; answers 503 itself while drainin
 _JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)  # possessive: no backtracking over long strings
 _BRACKET_STEP = np.zeros(256, dtype=np.int32)  # +1 for an opening bracket, -1 for a closing one, by byte value
 _BRACKET_STEP[[ord("["), ord("{")]], _BRACKET_STEP[[ord("]"), ord("}")]] = 1, -1
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | int | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.config import ServerConfig
 from tokenmill.errors import RequestError
@@ -46,9 +46,33 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def _invalid_unicode_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a parsed JSON value that is not valid Unicode (a lone surrogate escape such as
+    \\ud800 parses, but no tokenizer or template can take it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _invalid_unicode_at(key) is not None:
+            return path or "body"
+        found = _invalid_unicode_at(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+# Request fields that map one-to-one onto SamplingParams; left out (None), SamplingParams' default holds.
+_PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "ignore_eos", "min_tokens", "include_stop_str_in_output")
+
+
 class _SamplingFields(BaseModel):
-    """Ranges OpenAI documents are checked here, so the OpenAPI schema states them; the server's configurable
-    limits and what needs the vocabulary are checked in sampling_params and SamplingParams.validate."""
+    """Ranges are checked here, once, so the OpenAPI schema states them; the defaults are SamplingParams'. The
+    server's configurable limits are checked in _sampling_params, what needs the vocabulary at admission."""
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
@@ -58,19 +82,27 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     user: str | None = None
     # vLLM extensions
-    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=2)
-    ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        at = _invalid_unicode_at(data)
+        if at is not None:
+            raise RequestError(f"{at}: the text is not valid Unicode (a lone surrogate escape?)", param=at)
+        return data
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: ServerConfig,
                          num_prompts: int = 1) -> SamplingParams:
@@ -83,30 +115,21 @@ class _SamplingFields(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > limits.max_stop:
             raise RequestError(f"at most {limits.max_stop} stop sequences are allowed", param="stop")
+        if not all(stop):
+            raise RequestError("stop strings must not be empty", param="stop")
         if len(self.logit_bias or {}) > limits.max_logit_bias:
             raise RequestError(f"at most {limits.max_logit_bias} logit_bias entries are allowed", param="logit_bias")
         try:
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError as exc:
             raise RequestError("logit_bias keys must be token ids", param="logit_bias") from exc
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=bias,
-            seed=self.seed,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-        )
+        if any(not -100.0 <= v <= 100.0 for v in bias.values()):
+            raise RequestError("logit_bias values must be in [-100, 100]", param="logit_bias")
+        if max_tokens is not None and (self.min_tokens or 0) > max_tokens:
+            raise RequestError("min_tokens must not exceed max_tokens", param="min_tokens")
+        given = {name: getattr(self, name) for name in _PASSED_THROUGH if getattr(self, name) is not None}
+        return SamplingParams(max_tokens=max_tokens, logit_bias=bias, stop=stop,
+                              stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs, **given)
 
 
 class ChatCompletionRequest(_SamplingFields):

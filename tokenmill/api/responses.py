@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from tokenmill.api.errors import error_body
 from tokenmill.engine.request import SequenceOutput, TokenLogprob
 from tokenmill.loader.tokenizer import Tokenizer
 
@@ -103,8 +104,7 @@ def _chunker(request_id: str, object_: str, model: str,
 
 
 def _stream_error(out: SequenceOutput) -> dict[str, Any]:
-    return {"error": {"message": out.error or "internal error", "type": "internal_error", "param": None,
-                      "code": 500}}
+    return error_body(out.error or "internal error", "internal_error", code=500)
 
 
 async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,

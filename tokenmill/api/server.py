@@ -6,7 +6,9 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Coroutine
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -45,8 +47,8 @@ class TokenmillServer(uvicorn.Server):
         self.state.draining = True
         self._loop.call_soon_threadsafe(lambda: self._spawn(self._drain()))
 
-    def _spawn(self, coroutine: object) -> None:
-        task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from tokenmill.api.engine_client import EngineClient
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.sampling import SamplingParams
@@ -24,7 +25,8 @@ PROMPT = "Write a long story about a lighthouse keeper who finds a message in a 
 
 
 async def _one_run(engine: Engine, prompt_ids: list[int], tokens: int) -> float:
-    stream = engine.submit(prompt_ids, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    [stream] = EngineClient(engine).submit([prompt_ids], params)
     first = last = None
     count = 0
     async for out in stream:

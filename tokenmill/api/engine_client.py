@@ -1,0 +1,136 @@
+"""The API's side of the engine: admission (what a request must pass before the engine takes it) and the bridge
+that carries a sequence's outputs from the engine thread to the asyncio handler awaiting them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.request import SequenceOutput
+from tokenmill.errors import EngineError, EngineUnavailableError, RequestError, ServerBusyError
+from tokenmill.sampling import SamplingParams
+
+
+class RequestStream:
+    """One sequence's outputs, put by the engine thread, iterated on the event loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
+        self.seq_id = -1  # set once the engine has taken the sequence
+        self.finished = False
+
+    def put(self, output: SequenceOutput) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+
+    async def __aiter__(self) -> AsyncIterator[SequenceOutput]:
+        while not self.finished:
+            output = await self._queue.get()
+            self.finished = output.finish_reason is not None
+            yield output
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._engine.abort(self.seq_id)
+
+
+class EngineClient:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+               prompt_param: str = "prompt") -> list[RequestStream]:
+        """n sequences per prompt, all or none; call from the event loop. A seeded request gives choice i the
+        seed + i, so choices differ but repeat. prompt_param names the prompt's field in errors."""
+        self._check_capacity(len(prompts) * n)
+        admitted = [(ids, self._admit(ids, params, prompt_param)) for ids in prompts]  # every check before any add
+        streams = []
+        for prompt_ids, resolved in admitted:
+            for i in range(n):
+                p = resolved if resolved.seed is None or i == 0 else replace(resolved, seed=resolved.seed + i)
+                stream = RequestStream(self.engine)
+                stream.seq_id = self.engine.add(prompt_ids, p, stream.put)
+                streams.append(stream)
+        return streams
+
+    def _check_capacity(self, count: int) -> None:
+        """Refuse `count` more sequences while the engine is down or its waiting queue is full (backpressure)."""
+        engine = self.engine
+        if not engine.alive:
+            raise EngineUnavailableError("the engine is not running")
+        limit = engine.config.max_queued_requests
+        if engine.num_waiting + count > limit:
+            raise ServerBusyError(f"The server is busy: {engine.num_waiting} sequences are waiting, the queue "
+                                  f"holds {limit}. Retry later.")
+
+    def _admit(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> SamplingParams:
+        """Check what needs the model, and resolve max_tokens against the context: the params the sequence runs
+        with."""
+        vocab = self.engine.tokenizer.vocab_size
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param=prompt_param)
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError("the prompt holds token ids outside the vocabulary", param=prompt_param)
+        for token_id in params.logit_bias:
+            if not 0 <= token_id < vocab:
+                raise RequestError(f"logit_bias token id {token_id} is outside the vocabulary (size {vocab})",
+                                   param="logit_bias")
+        for token_id in params.stop_token_ids:
+            if not 0 <= token_id < vocab:
+                raise RequestError(f"stop_token_ids: {token_id} is outside the vocabulary", param="stop_token_ids")
+        return replace(params, max_tokens=self._max_tokens(len(prompt_ids), params.max_tokens, prompt_param))
+
+    def _max_tokens(self, prompt_len: int, asked: int | None, prompt_param: str) -> int:
+        """What was asked, or the rest of the context; refuses what can never fit, with the numbers. The engine
+        serves no context longer than its KV memory holds, so what fits the context fits the memory."""
+        limit = self.engine.max_model_len
+        room = limit - prompt_len
+        if room < 1 or (asked is not None and asked > room):
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + (asked or 1)} tokens ({prompt_len} in the prompt, {asked or 1} for the completion). "
+                f"Please reduce the length of the prompt or of the completion.",
+                param="max_tokens" if room >= 1 else prompt_param, code="context_length_exceeded",
+            )
+        return room if asked is None else asked
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceOutput]]:
+    """Outputs of several sequences as they come, tagged with the choice index."""
+    merged: asyncio.Queue[tuple[int, SequenceOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        async for out in stream:
+            await merged.put((index, out))
+        await merged.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, out = await merged.get()
+            if out is None:
+                remaining -= 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def collect(streams: list[RequestStream]) -> list[list[SequenceOutput]]:
+    """Every output of every choice, for a non-streaming answer; aborts all if the handler is cancelled."""
+    results: list[list[SequenceOutput]] = [[] for _ in streams]
+    try:
+        async for index, out in merge(streams):
+            results[index].append(out)
+    finally:
+        for s in streams:
+            s.abort()
+    for outs in results:
+        if outs and outs[-1].finish_reason == "error":
+            raise EngineError(outs[-1].error or "internal error while running the model")
+    return results

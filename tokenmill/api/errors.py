@@ -1,0 +1,79 @@
+"""The one place where failures become HTTP: OpenAI error objects, their status codes and headers."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.errors import (
+    EngineError,
+    EngineUnavailableError,
+    ModelNotFoundError,
+    RequestError,
+    ServerBusyError,
+    TokenmillError,
+)
+
+log = logging.getLogger(__name__)
+
+# Domain error -> (HTTP status, OpenAI error type, headers); the most specific class first.
+_HTTP: list[tuple[type[TokenmillError], int, str, dict[str, str] | None]] = [
+    (ModelNotFoundError, 404, "not_found_error", None),
+    (RequestError, 400, "invalid_request_error", None),
+    (ServerBusyError, 429, "rate_limit_error", {"Retry-After": "1"}),
+    (EngineUnavailableError, 503, "service_unavailable", None),
+    (EngineError, 500, "internal_error", None),
+]
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | int | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def http_status(exc: TokenmillError) -> int:
+    return next(status for cls, status, _, _ in _HTTP if isinstance(exc, cls))
+
+
+def domain_error_response(exc: TokenmillError) -> JSONResponse:
+    status, type_, headers = next((s, t, h) for cls, s, t, h in _HTTP if isinstance(exc, cls))
+    if isinstance(exc, RequestError):
+        return error_response(status, exc.message, type_, exc.param, exc.code, headers)
+    if isinstance(exc, ServerBusyError):
+        return error_response(status, str(exc), type_, code="server_busy", headers=headers)
+    return error_response(status, str(exc), type_, code=500 if status == 500 else None, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    @app.exception_handler(ServerBusyError)
+    @app.exception_handler(EngineUnavailableError)
+    @app.exception_handler(EngineError)
+    async def _domain(_: Request, exc: TokenmillError) -> JSONResponse:
+        return domain_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), type_)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, "internal server error", "internal_error")
