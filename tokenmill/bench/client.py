@@ -20,9 +20,8 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from itertools import pairwise
 from typing import Any
 
 import httpx
@@ -30,6 +29,7 @@ from tqdm import tqdm
 
 from tokenmill import __version__
 from tokenmill.bench import report
+from tokenmill.bench.report import RequestRecord
 from tokenmill.bench.workloads import Conversation, WorkloadParams, build, synthetic_text
 
 
@@ -48,44 +48,6 @@ class ClientConfig:
     def base_url(self) -> str:
         url = self.url.rstrip("/")
         return url if url.endswith("/v1") else url + "/v1"
-
-
-@dataclass
-class RequestRecord:
-    """One request's times, in seconds since the start of the run, and its outcome."""
-
-    conversation: int
-    turn: int  # 1-based
-    start: float
-    end: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # arrivals of the chunks with content
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None  # prompt tokens the server says it took from its prefix cache
-    completion_tokens: int | None = None
-    usage_from_server: bool = False
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunk_times[0] - self.start if self.ok and self.chunk_times else None
-
-    @property
-    def e2e(self) -> float | None:
-        return self.end - self.start if self.ok and self.end is not None else None
-
-    @property
-    def itl(self) -> list[float]:
-        return [b - a for a, b in pairwise(self.chunk_times)] if self.ok else []
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.e2e is None or (self.completion_tokens or 0) < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
 
 
 class _ServerError(Exception):

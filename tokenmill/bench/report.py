@@ -11,17 +11,55 @@ import dataclasses
 import json
 import math
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
 
 from tokenmill.bench import workloads
 
-if TYPE_CHECKING:
-    from tokenmill.bench.client import RequestRecord
+
+@dataclass
+class RequestRecord:
+    """One request's times, in seconds since the start of the run, and its outcome."""
+
+    conversation: int
+    turn: int  # 1-based
+    start: float
+    end: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of the chunks with content
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server says it took from its prefix cache
+    completion_tokens: int | None = None
+    usage_from_server: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.start if self.ok and self.chunk_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.end - self.start if self.ok and self.end is not None else None
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in pairwise(self.chunk_times)] if self.ok else []
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.e2e is None or (self.completion_tokens or 0) < 2:
+            return None
+        return (self.e2e - self.ttft) / ((self.completion_tokens or 0) - 1)
+
 
 STATS = ("mean", "p50", "p90", "p99")
 LATENCIES = {"ttft_ms": "TTFT", "itl_ms": "ITL", "tpot_ms": "TPOT", "e2e_ms": "E2E latency"}
@@ -29,7 +67,7 @@ THROUGHPUTS = {"request_throughput": "request throughput (req/s)", "output_throu
                "total_token_throughput": "total throughput (tok/s)"}
 
 
-def _stats(seconds: list[float | None]) -> dict[str, float | None]:
+def _stats(seconds: Sequence[float | None]) -> dict[str, float | None]:
     ms = np.array([s for s in seconds if s is not None]) * 1000.0
     if not ms.size:
         return dict.fromkeys(STATS)
