@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (once) and run tokenmill from a checkout.
 #   bash scripts/dev.sh serve [MODEL] [FLAGS...]   the OpenAI-compatible server (default model: smollm2-135m)
-#   bash scripts/dev.sh test [PYTEST ARGS...]      the test suite
+#   bash scripts/dev.sh test [PYTEST ARGS...]      lint, import layers, types, then the test suite
 #   bash scripts/dev.sh mutate MODULE|all          mutation testing of a module with the tests that cover it (mutmut;
 #                                                  slow, not part of CI): scripts/mutate.py lists the modules
 # The virtual environment lives in .venv (TOKENMILL_VENV overrides). PyTorch is installed first, as
@@ -23,7 +23,11 @@ if [ ! -f "$stamp" ]; then
 fi
 case "$verb" in
   serve) exec "$venv/bin/tokenmill" serve "$@" ;;
-  test) "$venv/bin/ruff" check tokenmill tests scripts && exec "$py" -m pytest "$@" ;;
+  test)
+    "$venv/bin/ruff" check tokenmill tests scripts
+    "$venv/bin/lint-imports"  # the layers of .importlinter: a request flows one way
+    "$venv/bin/mypy"  # [tool.mypy] in pyproject.toml
+    exec "$py" -m pytest "$@" ;;
   mutate) exec "$py" scripts/mutate.py "$@" ;;
   *) echo "unknown verb $verb: use serve, test or mutate" >&2; exit 2 ;;
 esac
