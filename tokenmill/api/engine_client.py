@@ -4,7 +4,7 @@ that carries a sequence's outputs from the engine thread to the asyncio handler 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
 
 from tokenmill.engine.engine import Engine
@@ -70,17 +70,19 @@ class EngineClient:
         """Check what needs the model, and resolve max_tokens against the context: the params the sequence runs
         with."""
         vocab = self.engine.tokenizer.vocab_size
+
+        def outside(ids: Iterable[int]) -> int | None:
+            return next((t for t in ids if not 0 <= t < vocab), None)
+
         if not prompt_ids:
             raise RequestError("the prompt is empty", param=prompt_param)
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        if outside(prompt_ids) is not None:
             raise RequestError("the prompt holds token ids outside the vocabulary", param=prompt_param)
-        for token_id in params.logit_bias:
-            if not 0 <= token_id < vocab:
-                raise RequestError(f"logit_bias token id {token_id} is outside the vocabulary (size {vocab})",
-                                   param="logit_bias")
-        for token_id in params.stop_token_ids:
-            if not 0 <= token_id < vocab:
-                raise RequestError(f"stop_token_ids: {token_id} is outside the vocabulary", param="stop_token_ids")
+        if (token_id := outside(params.logit_bias)) is not None:
+            raise RequestError(f"logit_bias token id {token_id} is outside the vocabulary (size {vocab})",
+                               param="logit_bias")
+        if (token_id := outside(params.stop_token_ids)) is not None:
+            raise RequestError(f"stop_token_ids: {token_id} is outside the vocabulary", param="stop_token_ids")
         return replace(params, max_tokens=self._max_tokens(len(prompt_ids), params.max_tokens, prompt_param))
 
     def _max_tokens(self, prompt_len: int, asked: int | None, prompt_param: str) -> int:

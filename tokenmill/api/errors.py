@@ -39,12 +39,16 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
+def _http(exc: TokenmillError) -> tuple[int, str, dict[str, str] | None]:
+    return next((status, type_, headers) for cls, status, type_, headers in _HTTP if isinstance(exc, cls))
+
+
 def http_status(exc: TokenmillError) -> int:
-    return next(status for cls, status, _, _ in _HTTP if isinstance(exc, cls))
+    return _http(exc)[0]
 
 
 def domain_error_response(exc: TokenmillError) -> JSONResponse:
-    status, type_, headers = next((s, t, h) for cls, s, t, h in _HTTP if isinstance(exc, cls))
+    status, type_, headers = _http(exc)
     if isinstance(exc, RequestError):
         return error_response(status, exc.message, type_, exc.param, exc.code, headers)
     if isinstance(exc, ServerBusyError):
