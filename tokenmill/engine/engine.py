@@ -149,7 +149,7 @@ class Engine:
             if self.scheduler.has_work():
                 self._step()
             self._num_running = len(self.scheduler.running)
-            self.metrics.record(self.scheduler, self.kv_cache)  # again: what aborts and finishes changed
+            self.metrics.set_gauges(self.scheduler, self.kv_cache)
         self._drain_inbox(block=False)  # what was added meanwhile is finished too, not left hanging
         for seq in list(self._seqs.values()):
             self._finish(seq, "abort")
@@ -189,6 +189,7 @@ class Engine:
 
     def _step(self) -> None:
         plan = self.scheduler.schedule()
+        self.metrics.count(self.scheduler)  # before any output: whoever has the step's tokens sees them counted
         if not plan:
             return
         sampled = [item.seq for item in plan if item.samples]
@@ -205,7 +206,6 @@ class Engine:
                 self.scheduler.isolate([item.seq for item in plan])
             return
         self.scheduler.update(plan, [[token] for token in tokens])
-        self.metrics.record(self.scheduler, self.kv_cache)  # before the outputs: whoever has them sees them counted
         self._emit(sampled, logprobs)
 
     def _emit(self, seqs: list[Sequence], logprobs: list[TokenLogprob | None]) -> None:

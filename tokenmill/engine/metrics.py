@@ -35,11 +35,14 @@ class EngineMetrics:
         self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between successive tokens.",
                              buckets=_LATENCY_BUCKETS, registry=r)
 
-    def record(self, scheduler: Scheduler, kv: _KVUsage) -> None:
-        """Once per loop turn: the gauges' current values, and what the scheduler counted since the last turn."""
+    def set_gauges(self, scheduler: Scheduler, kv: _KVUsage) -> None:
+        """Once per loop turn: what runs, waits and holds KV memory now."""
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         self.kv_usage.set(kv.usage())
+
+    def count(self, scheduler: Scheduler) -> None:
+        """Once per step: what the scheduler counted since the last step."""
         stats = scheduler.take_stats()
         self.preemptions.inc(stats.preemptions)
         self.prefix_queries.inc(stats.prefix_queried_tokens)
