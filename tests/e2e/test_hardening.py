@@ -169,6 +169,17 @@ def test_a_limit_is_accepted_at_its_value_and_refused_one_past_it(server: Server
     assert_no_live_blocks(server.engine)
 
 
+def test_token_ids_are_accepted_up_to_the_last_of_the_vocabulary_and_refused_past_it(server: ServerThread) -> None:
+    last = server.engine.tokenizer.vocab_size - 1
+    for param, body in (("prompt", lambda t: completion(prompt=[t])),
+                        ("logit_bias", lambda t: completion(logit_bias={str(t): 1})),
+                        ("stop_token_ids", lambda t: completion(stop_token_ids=[t]))):
+        response = httpx.post(server.root_url + COMPLETIONS, json=body(last), timeout=30)
+        assert response.status_code == 200, response.text
+        assert_error_object(httpx.post(server.root_url + COMPLETIONS, json=body(last + 1), timeout=30), 400, param)
+    assert_no_live_blocks(server.engine)
+
+
 def test_body_size_and_nesting_are_accepted_at_their_limit_and_refused_one_past_it(server: ServerThread) -> None:
     def padded(size: int) -> bytes:
         body = json.dumps(chat()).encode()
