@@ -30,7 +30,8 @@ def smollm_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm(smollm_path: Path) -> LoadedModel:
-    return load_model(str(smollm_path), dtype="float32", device=DEVICE)
+    """Dequantized to fp32 at load: the reference path, which transformers' numbers check."""
+    return load_model(str(smollm_path), dtype="float32", device=DEVICE, quantized=False)
 
 
 @pytest.fixture(scope="session")

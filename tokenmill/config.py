@@ -36,6 +36,12 @@ class EngineConfig:
     threads: int | None = option(None, "CPU threads for the model (default: torch's choice)")
     prepack_weights: bool = option(True, "on CPU, reorder the weights once at load into oneDNN's blocked layout "
                                          "(matmuls 1.1-3.7x faster, measured)")
+    quantized_weights: bool = option(True, "on CPU, keep a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 matrices in "
+                                           "their quantization, run by tokenmill's C++ kernels (off: dequantize "
+                                           "them to --dtype at load)")
+    dense_weights_budget: str = option("1GiB", "memory that dense copies of the quantized weights may take, for steps "
+                                               "of many rows (prefill, large batches) where dense matmuls are faster; "
+                                               "beyond it (or 0) every step runs the quantized kernels")
 
 
 @dataclass

@@ -27,9 +27,11 @@ from safetensors.torch import load_file as load_torch_file
 from safetensors.torch import save_file
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.layers.quantized import QuantizedWeight
 from tokenmill.loader import load_model
 from tokenmill.loader import safetensors as st_loader
 from tokenmill.loader.gguf import GGUFFile
+from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES
 from tokenmill.models.registry import build_model
 
 
@@ -60,18 +62,32 @@ QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16", "Q2_K", "Q
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_quantized_weights_load_to_the_values_their_blocks_hold(qtype: str, tmp_path: Path) -> None:
-    """A quantized file, loaded as it is served (prepacked where the CPU allows), computes the logits of its F32
-    twin: every weight took the values its blocks decode to, in every projection, the embedding and the head."""
+    """A quantized file, dequantized at load (prepacked where the CPU allows), computes the logits of its F32 twin:
+    every weight took the values its blocks decode to, in every projection, the embedding and the head. Kept
+    quantized (the default on CPU), every matrix the kernels run holds those same values."""
     quant_type = GGMLQuantizationType[qtype]
     quant_path = write_tiny_gguf(tmp_path / "q.gguf", qtype=quant_type, hidden=256)
     matrices = [t for t in GGUFReader(quant_path).tensors if len(t.shape) == 2]
     assert len(matrices) == 15 and all(t.tensor_type == quant_type for t in matrices)
-    quant = load_model(str(quant_path), dtype="float32", device="cpu")
-    twin = load_model(str(write_tiny_gguf(tmp_path / "twin.gguf", qtype=quant_type, hidden=256, dequantized=True)),
-                      dtype="float32", device="cpu")
+    quant = load_model(str(quant_path), dtype="float32", device="cpu", quantized=False)
+    twin_path = write_tiny_gguf(tmp_path / "twin.gguf", qtype=quant_type, hidden=256, dequantized=True)
+    twin = load_model(str(twin_path), dtype="float32", device="cpu")
     ids = list(range(3, 250, 9))
     ours, reference = our_logits(quant, ids), our_logits(twin, ids)
     assert (ours - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
+
+    kept = load_model(str(quant_path), dtype="float32", device="cpu").model
+    plain = dict(load_model(str(twin_path), dtype="float32", device="cpu", prepack=False).model.named_modules())
+    quantized = {name: m for name, m in kept.named_modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)}
+    if quant_type not in QUANTIZED_TYPES:
+        assert not quantized
+        return
+    # q/k/v and gate/up of one layer each stacked in one matrix, o and down, the embeddings and the tied head
+    assert len(quantized) == 2 * 4 + 2, sorted(quantized)
+    assert quantized["lm_head"].weight is quantized["model.embed_tokens"].weight  # tied: one copy in memory
+    for name, module in quantized.items():
+        expected = plain["model.embed_tokens" if name == "lm_head" else name].weight
+        assert torch.equal(module.weight.dequantize(), expected), name
 
 
 def _field_value_offset(path: Path, key: str) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.cache.kv_cache import KVSpec
-from tokenmill.cache.sizing import build_kv_cache
+from tokenmill.cache.sizing import build_kv_cache, parse_size
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.metrics import EngineMetrics
@@ -63,7 +63,8 @@ class Engine:
         if self.loaded is None:
             if c.threads:
                 torch.set_num_threads(c.threads)
-            self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len, prepack=c.prepack_weights)
+            self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len, prepack=c.prepack_weights,
+                                     quantized=c.quantized_weights, dense_budget=parse_size(c.dense_weights_budget))
         loaded = self.loaded
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from tokenmill import kernels
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.linear import cpu_computes_bf16
+from tokenmill.layers.quantized import QuantizedWeight
 from tokenmill.loader import gguf as gguf_loader
 from tokenmill.loader import safetensors as st_loader
 from tokenmill.loader.chat_template import ChatTemplate, template_from_metadata
@@ -60,8 +62,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def _weight_memory(model: CausalLM) -> str:
+    """What the weights (and tables) hold in memory, quantized and dense, each tensor counted once."""
+    seen: set[int] = set()
+    quantized = dense = 0
+    for module in model.modules():  # type: ignore[attr-defined]
+        for value in (*vars(module).values(), *module._parameters.values(), *module._buffers.values()):
+            if id(value) in seen or not isinstance(value, (torch.Tensor, QuantizedWeight)):
+                continue
+            seen.add(id(value))
+            if isinstance(value, QuantizedWeight):
+                quantized += value.nbytes
+            else:
+                dense += value.numel() * value.element_size()
+    return f"{quantized / 2**20:.0f} MiB quantized + {dense / 2**20:.0f} MiB dense"
+
+
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-               max_model_len_cap: int = 8192, prepack: bool = True) -> LoadedModel:
+               max_model_len_cap: int = 8192, prepack: bool = True, quantized: bool = True,
+               dense_budget: int = 0) -> LoadedModel:
+    """quantized: keep a GGUF's quantized matrices in their quantization (on CPU, where the kernels build), with
+    dense copies for many-row steps where they fit dense_budget bytes."""
     path = resolve(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -72,7 +93,8 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         gguf_loader.check_tensor_types(gguf)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         template_source = gguf.metadata.get("tokenizer.chat_template")
-        weights = gguf_loader.load_weights(gguf, config, torch_dtype)
+        keep = quantized and dev.type == "cpu" and kernels.load()
+        weights = gguf_loader.load_weights(gguf, config, torch_dtype, keep_quantized=keep)
     elif (path / "config.json").exists():
         config = st_loader.model_config(path)
         tokenizer = Tokenizer.from_folder(path)
@@ -86,8 +108,9 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
     chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)
     served_len = max_model_len or min(config.max_position_embeddings, max_model_len_cap)
-    net = build_model(config, weights, torch_dtype, dev, served_len, prepack)
-    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d", path.name, config.architecture,
-             config.num_layers, torch_dtype, dev, time.perf_counter() - started, served_len)
+    net = build_model(config, weights, torch_dtype, dev, served_len, prepack, dense_budget)
+    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d; weights %s", path.name,
+             config.architecture, config.num_layers, torch_dtype, dev, time.perf_counter() - started, served_len,
+             _weight_memory(net))
     return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer,
                        chat_template=chat_template, dtype=torch_dtype, device=dev, max_model_len=served_len)

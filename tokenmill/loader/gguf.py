@@ -1,4 +1,5 @@
-"""GGUF files through the `gguf` package: metadata, model config and weights dequantized to the compute dtype.
+"""GGUF files through the `gguf` package: metadata, model config and weights, dequantized to the compute dtype or
+kept in their quantization (gguf_blocks.py).
 
 Weights come out under Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...) in Hugging Face layout,
 so the model has one loading path for GGUF and safetensors.
@@ -18,6 +19,8 @@ from gguf import GGUFEndian, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.layers.quantized import QuantizedWeight
+from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.registry import MODEL_CLASSES
 
@@ -194,16 +197,23 @@ def check_tensor_types(gguf: GGUFFile) -> None:
             )
 
 
-def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, tensor) pairs, dequantized one tensor at a time to bound peak memory."""
+def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Yield (Hugging Face name, tensor) pairs one tensor at a time, to bound peak memory: dequantized to dtype, or,
+    with keep_quantized, matrices of the types gguf_blocks reads as QuantizedWeights (the rest dequantized)."""
     check_tensor_types(gguf)
     for tensor in gguf.reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             continue  # rope_freqs is read into the config; anything else is not part of the forward pass
-        array = dequantize(tensor.data, tensor.tensor_type)
-        value = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # a copy: the map is read-only
+        value: torch.Tensor | QuantizedWeight
+        if keep_quantized and tensor.tensor_type in QUANTIZED_TYPES and len(tensor.shape) == 2:
+            value = quantized_weight(tensor.data, tensor.tensor_type)
+        else:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            value = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # a copy: the map is read-only
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            value = _unpermute(value, heads)
+            order = _unpermute(torch.arange(value.shape[0]), heads)
+            value = value.rows(order) if isinstance(value, QuantizedWeight) else value[order]
         yield name, value

@@ -18,6 +18,7 @@ from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata, attention
 from tokenmill.layers.linear import PackedLinear, prepack_linears
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.config import ModelConfig
 
@@ -120,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self) -> None:
         """Swap every Linear for a prepacked one (CPU); a tied output head gets a packed copy of the embeddings."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and not hasattr(self, "lm_head"):
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
         prepack_linears(self)
 
@@ -132,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         return [c.intermediate_size] * 2
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], dtype: torch.dtype,
                      device: torch.device) -> None:
         """Take checkpoint tensors (Hugging Face names and layout) as the parameters, in dtype on device.
 
@@ -140,10 +141,12 @@ class LlamaForCausalLM(nn.Module):
         load_state_dict takes it strict (every parameter, each of its shape) and by assignment (the tensors become
         the parameters, so the model can stay on the meta device until now). Names the model has no parameter for
         are skipped: rotary inv_freq buffers some checkpoints carry, lm_head.weight where the head is tied.
+        A QuantizedWeight (GGUF weights kept quantized) replaces its Linear or Embedding by the quantized module.
         """
         wanted = self.state_dict(keep_vars=True)  # names and shapes (on the meta device: nothing is allocated)
         state: dict[str, torch.Tensor] = {}
-        parts: dict[str, list[torch.Tensor | None]] = {}  # fused parameter -> the checkpoint tensors read so far
+        quantized: dict[str, QuantizedWeight] = {}
+        parts: dict[str, list[torch.Tensor | QuantizedWeight | None]] = {}  # fused parameter -> its parts so far
         for name, tensor in weights:
             module, _, kind = name.rpartition(".")
             parent, _, leaf = module.rpartition(".")
@@ -152,25 +155,59 @@ class LlamaForCausalLM(nn.Module):
             if target not in wanted:
                 log.debug("skipping checkpoint tensor %s: the model has no parameter %s", name, target)
                 continue
-            tensor = tensor.to(device=device, dtype=dtype)
+            if isinstance(tensor, torch.Tensor):
+                tensor = tensor.to(device=device, dtype=dtype)
             if fused is None:
-                state[target] = tensor.contiguous()
+                _put(state, quantized, target, tensor)
                 continue
             rows = self._part_rows(fused)
             expected = (rows[index], *wanted[target].shape[1:])
-            if tensor.shape != expected:
+            if tuple(tensor.shape) != expected:
                 raise ModelFormatError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
             group = parts.setdefault(target, [None] * len(rows))
             group[index] = tensor
             if all(part is not None for part in group):
-                state[target] = torch.cat(cast(list[torch.Tensor], parts.pop(target)))  # a new tensor: contiguous
+                _put(state, quantized, target, _stack(cast(list, parts.pop(target)), dtype))
         for target, group in parts.items():  # groups with a part missing
             parent, fused, kind = target.rsplit(".", 2)
             lacking = [f"{parent}.{part}.{kind}" for part, got in zip(_FUSED[fused], group, strict=True) if got is None]
             raise ModelFormatError(f"the checkpoint lacks {', '.join(lacking)}")
+        for target, weight in quantized.items():
+            self._swap_in_quantized(target, weight, state, dtype, tuple(wanted[target].shape))
         try:
             self.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:  # torch names each missing tensor and each wrong shape
             stacked = [f"{f} stacks {', '.join(p)}" for f, p in _FUSED.items() if f in str(exc)]
             hint = f" ({'; '.join(stacked)})" if stacked else ""
             raise ModelFormatError(f"the checkpoint does not fit the model: {exc}{hint}") from exc
+
+    def _swap_in_quantized(self, target: str, weight: QuantizedWeight, state: dict[str, torch.Tensor],
+                           dtype: torch.dtype, expected: tuple[int, ...]) -> None:
+        """Replace the Linear or Embedding whose weight is target by its quantized module (the bias, if any, moves
+        along); a tied output head reads the same quantized embeddings."""
+        if tuple(weight.shape) != expected:
+            raise ModelFormatError(f"{target}: checkpoint shape {tuple(weight.shape)}, model expects {expected}")
+        path = target.removesuffix(".weight")
+        if isinstance(self.get_submodule(path), nn.Embedding):
+            self.set_submodule(path, QuantizedEmbedding(weight, dtype))
+            if self.config.tie_word_embeddings:
+                self.lm_head = QuantizedLinear(weight, None)
+        else:
+            self.set_submodule(path, QuantizedLinear(weight, state.pop(f"{path}.bias", None)))
+
+
+def _put(state: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight], target: str,
+         value: torch.Tensor | QuantizedWeight) -> None:
+    if isinstance(value, QuantizedWeight):
+        quantized[target] = value
+    else:
+        state[target] = value.contiguous()
+
+
+def _stack(group: list[torch.Tensor | QuantizedWeight], dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
+    """A fused parameter from its parts: quantized where every part is, in one layout; else dense."""
+    if all(isinstance(part, QuantizedWeight) for part in group):
+        stacked = QuantizedWeight.stack(cast(list[QuantizedWeight], group))
+        if stacked is not None:
+            return stacked
+    return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in group])

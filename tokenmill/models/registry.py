@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.linear import can_prepack
+from tokenmill.layers.linear import PackedLinear, can_prepack
+from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 class CausalLM(Protocol):
@@ -31,9 +37,11 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                device: torch.device, max_positions: int, prepack: bool = True) -> CausalLM:
-    """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py)."""
+def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+                dtype: torch.dtype, device: torch.device, max_positions: int, prepack: bool = True,
+                dense_budget: int = 0) -> CausalLM:
+    """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py).
+    dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none)."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ModelFormatError(f"no model for architecture {config.architecture!r}")
@@ -43,6 +51,33 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
     for module in model.modules():  # tables outside the state dict (non-persistent buffers), built where they run
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
-    if prepack and can_prepack(device, dtype):
+    packs = prepack and can_prepack(device, dtype)
+    if packs:
         model.prepack_weights()
+    _add_dense_copies(model, dtype, dense_budget, packs)
     return model.eval()
+
+
+def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int, prepack: bool) -> None:
+    quantized = {id(m): m for m in model.modules() if isinstance(m, QuantizedLinear)}.values()
+    needed = sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
+    if not quantized:
+        return
+    if needed > budget:
+        log.info("quantized weights without dense copies: they would take %d MiB, over the budget of %d MiB "
+                 "(--dense-weights-budget); every step runs the quantized kernels", needed >> 20, budget >> 20)
+        return
+    for module in quantized:
+        dense = module.weight.dequantize(dtype)
+        module.dense = PackedLinear(dense, module.bias) if prepack else _Linear(dense, module.bias)
+    log.info("dense copies of the quantized weights for steps of %d rows or more: %d MiB", DENSE_FROM_ROWS,
+             needed >> 20)
+
+
+class _Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,152 @@
+"""Weights kept in GGUF's quantization: the layout holds every value gguf decodes, and the C++ kernel computes
+x @ W.T as its activation quantization says it should; without the kernels everything falls back to dense."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+from helpers import our_logits, write_tiny_gguf
+from torch import nn
+
+from tokenmill import kernels
+from tokenmill.layers.quantized import QuantizedLinear, QuantizedWeight
+from tokenmill.loader import load_model
+from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight
+
+# Where each type's fp16 scale fields sit in its block: random bytes there could be NaN or huge.
+_FP16_FIELDS = {QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q8_0: (0,), QType.Q5_0: (0,), QType.Q5_1: (0, 2),
+                QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
+TYPES = sorted(QUANTIZED_TYPES, key=lambda t: t.name)
+
+
+def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of qtype (every bit pattern of the quants, sane scales): raw bytes [rows, bytes per row]."""
+    rng = np.random.default_rng(seed)
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // per_block * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(-1, block_bytes)
+    for offset in _FP16_FIELDS[qtype]:
+        scales = rng.normal(0, 0.05, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_layout_holds_exactly_what_gguf_decodes(qtype: QType) -> None:
+    raw = random_blocks(qtype, 6, 512)
+    weight = quantized_weight(raw, qtype)
+    expected = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32))
+    assert weight.shape == (6, 512)
+    assert torch.equal(weight.dequantize(), expected)
+    order = torch.tensor([4, 0, 5])
+    assert torch.equal(weight.rows(order).dequantize(), expected[order])
+
+
+def emulated(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """What the kernel computes: x rounded to int8 per block of 32 (scale max|x| / 127), times the weights, exactly."""
+    rows, width = x.shape
+    blocks = x.view(rows, width // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
+    return (q * scale).view(rows, width).double() @ weight.dequantize().double().T
+
+
+needs_kernels = pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 4, 7])  # the kernel takes activation rows 4 at a time: a whole and a partial tile
+def test_the_kernel_computes_the_product(qtype: QType, rows: int) -> None:
+    weight = quantized_weight(random_blocks(qtype, 40, 512, seed=rows), qtype)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    x[0, 64:96] = 0  # an all-zero activation block (scale 0)
+    out = QuantizedLinear(weight, None)(x)
+    expected = emulated(x, weight)
+    assert out.dtype == torch.float32 and out.shape == (rows, 40)
+    assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    exact = x.double() @ weight.dequantize().double().T  # and the activations' rounding costs little
+    assert (out.double() - exact).norm() <= 0.02 * exact.norm()
+
+
+@needs_kernels
+def test_the_kernel_adds_the_bias_and_keeps_bf16() -> None:
+    weight = quantized_weight(random_blocks(QType.Q4_K, 16, 256), QType.Q4_K)
+    bias = torch.randn(16)
+    x = torch.randn(3, 256)
+    with_bias = QuantizedLinear(weight, bias)
+    assert torch.allclose(with_bias(x), QuantizedLinear(weight, None)(x) + bias)
+    plain = QuantizedLinear(weight, None)
+    out = plain(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, plain(x.bfloat16().float()).bfloat16())  # computed in fp32, rounded once
+
+
+@needs_kernels
+def test_a_row_does_not_depend_on_its_batch() -> None:
+    """Each row is quantized and reduced on its own, in a fixed order: its result is the same in any batch."""
+    weight = quantized_weight(random_blocks(QType.Q4_1, 64, 512), QType.Q4_1)
+    x = torch.randn(9, 512)
+    linear = QuantizedLinear(weight, None)
+    batched = linear(x)
+    assert all(torch.equal(batched[i], linear(x[i:i + 1])[0]) for i in range(9))
+
+
+@needs_kernels
+def test_a_gguf_is_served_quantized_and_tracks_its_dense_twin(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_1, hidden=256)
+    kept = load_model(str(path), dtype="float32", device="cpu")
+    dense = load_model(str(path), dtype="float32", device="cpu", quantized=False)
+    assert not any(isinstance(m, nn.Linear | nn.Embedding) for m in kept.model.modules())
+    assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
+    ids = list(range(3, 250, 9))
+    ours, reference = our_logits(kept, ids), our_logits(dense, ids)
+    # Random weights of std 0.2 make sharp logits; the real model's bound is in tests/model/test_fidelity.py.
+    assert (ours - reference).norm() <= 0.1 * reference.norm()  # measured 0.052
+    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+def test_without_kernels_a_gguf_loads_dense_with_one_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: g++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
+    kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO):
+            loaded = load_model(str(write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0, hidden=256)),
+                                dtype="float32", device="cpu")
+    finally:
+        kernels.load.cache_clear()
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    notes = [r.getMessage() for r in caplog.records if r.name == "tokenmill.kernels"]
+    assert notes == ["C++ kernels unavailable (Error building extension: g++: command not found): plain PyTorch "
+                     "paths, quantized weights dequantized at load"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("budget", [0, 2**30])
+def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int, tmp_path: Path) -> None:
+    from tokenmill.layers.quantized import DENSE_FROM_ROWS
+
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
+    loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=budget)
+    linear = loaded.model.model.layers[0].mlp.down_proj
+    assert isinstance(linear, QuantizedLinear) and (linear.dense is not None) == (budget > 0)
+    for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS):
+        x = torch.randn(rows, linear.weight.shape[1])
+        dense = x @ linear.weight.dequantize().T
+        kernel = emulated(x, linear.weight).float()
+        expected = dense if budget and rows >= DENSE_FROM_ROWS else kernel
+        assert torch.allclose(linear(x), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))

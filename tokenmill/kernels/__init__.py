@@ -1,0 +1,65 @@
+"""tokenmill's C++ CPU kernels, compiled on first use for this machine's CPU (torch.utils.cpp_extension) and cached.
+
+The build is keyed by the sources, the CPU's instruction-set flags and torch's version, so a machine of another CPU
+class (AVX2, AVX-512, ...) builds its own. Where it cannot be built (no compiler, no ninja, not Linux x86) the
+callers fall back to plain PyTorch; one log line says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+from importlib import resources
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("quant.cpp",)
+DISABLE_ENV = "TOKENMILL_NO_KERNELS"  # set to 1: never build or load them (the fallback, for A/B and tests)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once per machine) and load the kernels as torch.ops.tokenmill.*; False where they are unavailable."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        log.info("C++ kernels off (%s is set): plain PyTorch paths", DISABLE_ENV)
+        return False
+    if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
+        log.info("C++ kernels not built on %s %s: plain PyTorch paths", platform.system(), platform.machine())
+        return False
+    folder = resources.files(__package__)
+    sources = [str(folder / name) for name in SOURCES]
+    key = hashlib.sha256()
+    for path in sources:
+        with open(path, "rb") as src:
+            key.update(src.read())
+    key.update(_cpu_flags().encode())
+    key.update(torch.__version__.encode())
+    started = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name=f"tokenmill_kernels_{key.hexdigest()[:16]}", sources=sources, is_python_module=False,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or ninja, a failed build: every cause means the same fallback
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        log.warning("C++ kernels unavailable (%s): plain PyTorch paths, quantized weights dequantized at load",
+                    reason[:300])
+        return False
+    log.info("C++ kernels ready in %.1fs", time.perf_counter() - started)
+    return True

@@ -1,0 +1,75 @@
+// RMSNorm in one pass over each row, optionally adding the residual first (in place): torch's rms_norm runs as
+// about eight small ops, ~25 us for a 576-wide row on a 2-core Zen 3, which at one decode row is all overhead.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// out = x / rms(x) * weight per row, statistics in fp32; with residual, x += residual first (rounded to x's dtype,
+// as x + residual would be) and the sum is what is normalized.
+template <typename T>
+void rms_rows(T* x, const T* residual, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 32, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * dim;
+      float squares = 0.f;
+      for (int64_t j = 0; j < dim; ++j) {
+        float v = static_cast<float>(xr[j]);
+        if (residual) {
+          xr[j] = static_cast<T>(v + static_cast<float>(residual[r * dim + j]));
+          v = static_cast<float>(xr[j]);
+        }
+        row[j] = v;
+        squares += v * v;
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      for (int64_t j = 0; j < dim; ++j) out[r * dim + j] = static_cast<T>(row[j] * inv * static_cast<float>(weight[j]));
+    }
+  });
+}
+
+at::Tensor norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 && x.size(-1) == weight.size(0),
+              "x must be contiguous with rows of weight's size");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must share a dtype");
+  const int64_t dim = weight.size(0), rows = x.numel() / dim;
+  at::Tensor res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == x.scalar_type(), "residual must be shaped as x");
+  }
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), res.defined() ? res.data_ptr<scalar_t>() : nullptr,
+                       weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return norm(x.contiguous(), std::nullopt, weight, eps);
+}
+
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  return norm(x, residual, weight, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+}

@@ -1,0 +1,218 @@
+// Weight-only quantized matmul on the CPU: out = x @ dequantize(W).T, W kept in GGUF's 4- and 8-bit blocks.
+//
+// As llama.cpp does, each activation row is quantized to 8 bits per block of 32 (one fp32 scale per block), so a
+// block's 32 products are integer multiply-adds (AVX2 maddubs: u8 x i8 pairs summed to i16, then to i32) and one
+// float multiply by the two scales. Decode reads each weight byte once per step: at one row the step is bound by
+// memory bandwidth, so 4.5 bits per weight instead of 32 is the gain.
+//
+// Two weight formats (tokenmill/layers/quantized.py builds them from a GGUF file):
+//   4-bit: uint8 [out, in/2], block b of 32 weights in bytes 16b..16b+15, weight j in the low nibble of byte j and
+//          weight 16+j in its high nibble (Q4_0, Q4_1, Q4_K);
+//   8-bit: int8 [out, in] (Q8_0, Q6_K, Q5_*);
+// w = scale * q + shift, scale and shift fp32 per `sub` = 32 (or 16, 8-bit only) weights; the shift (a min, or a
+// zero point times the scale) may be absent. Without AVX2 the same arithmetic runs as plain loops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TOKENMILL_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // weights per block (and activations per scale)
+constexpr int64_t kRowTile = 4;  // activation rows that share one unpacking of a weight block
+
+// Activation rows quantized to int8 per block of 32: q, the block's scale, and scale * sum(q) per `sub` weights
+// (the weights' shifts multiply these sums).
+struct QuantizedRows {
+  std::vector<int8_t> q;      // [rows, in]
+  std::vector<float> scale;   // [rows, in / 32]
+  std::vector<float> sums;    // [rows, in / sub]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, int64_t sub) {
+  const int64_t blocks = in / kBlock, groups = in / sub;
+  QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
+                    std::vector<float>(rows * groups)};
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* src = x + r * in + b * kBlock;
+        int8_t* dst = out.q.data() + r * in + b * kBlock;
+        float amax = 0.f;
+        for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
+        const float d = amax / 127.f;
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        int32_t sums[2] = {0, 0};
+        for (int64_t j = 0; j < kBlock; ++j) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(src[j] * inv));
+          dst[j] = static_cast<int8_t>(v);
+          sums[j / 16] += v;
+        }
+        out.scale[r * blocks + b] = d;
+        if (sub == 32) {
+          out.sums[r * groups + b] = d * static_cast<float>(sums[0] + sums[1]);
+        } else {
+          out.sums[r * groups + 2 * b] = d * static_cast<float>(sums[0]);
+          out.sums[r * groups + 2 * b + 1] = d * static_cast<float>(sums[1]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+#ifdef TOKENMILL_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// One weight row (q, its scales) dotted with N activation rows from r0 (N a constant: the accumulators stay in
+// registers); the shifts' part (mins and zero points) is added by the caller.
+template <bool U4, int SUB, int N>
+void dot_tile(const uint8_t* wq, const float* wscale, const QuantizedRows& x, int64_t r0, int64_t in, float* out) {
+  const int64_t blocks = in / kBlock;
+  const int8_t* xq[N];
+  const float* xs[N];
+  for (int i = 0; i < N; ++i) {
+    xq[i] = x.q.data() + (r0 + i) * in;
+    xs[i] = x.scale.data() + (r0 + i) * blocks;
+  }
+#ifdef TOKENMILL_AVX2
+  __m256 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i wv;
+    if constexpr (U4) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 16));
+      wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+    } else {
+      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * kBlock));
+    }
+    // maddubs takes unsigned x signed: signed weights lend their sign to the activations
+    const __m256i wu = U4 ? wv : _mm256_sign_epi8(wv, wv);
+    __m256 ws;
+    if constexpr (SUB == 32) {
+      ws = _mm256_broadcast_ss(wscale + b);
+    } else {  // int32 lanes 0-3 hold the products of bytes 0-15, lanes 4-7 those of bytes 16-31
+      ws = _mm256_set_m128(_mm_broadcast_ss(wscale + 2 * b + 1), _mm_broadcast_ss(wscale + 2 * b));
+    }
+    for (int i = 0; i < N; ++i) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * kBlock));
+      if constexpr (!U4) xv = _mm256_sign_epi8(xv, wv);
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_broadcast_ss(xs[i] + b)), acc[i]);
+    }
+  }
+  for (int i = 0; i < N; ++i) out[i] = hsum(acc[i]);
+#else
+  for (int i = 0; i < N; ++i) {
+    float total = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t s = 0; s < kBlock / SUB; ++s) {
+        int32_t sum = 0;
+        for (int64_t j = s * SUB; j < (s + 1) * SUB; ++j) {
+          int32_t q;
+          if constexpr (U4) {
+            const uint8_t byte = wq[b * 16 + (j & 15)];
+            q = j < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            q = static_cast<int8_t>(wq[b * kBlock + j]);
+          }
+          sum += q * xq[i][b * kBlock + j];
+        }
+        total += wscale[b * (kBlock / SUB) + s] * xs[i][b] * static_cast<float>(sum);
+      }
+    }
+    out[i] = total;
+  }
+#endif
+}
+
+template <bool U4, int SUB>
+void matmul(const QuantizedRows& x, int64_t rows, int64_t in, const uint8_t* q, const float* scales,
+            const float* shift, float* out, int64_t out_features) {
+  const int64_t row_bytes = U4 ? in / 2 : in;
+  const int64_t groups = in / SUB;
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    float dots[kRowTile];
+    for (int64_t o = begin; o < end; ++o) {
+      const uint8_t* wq = q + o * row_bytes;
+      const float* ws = scales + o * groups;
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+        const int64_t n = std::min(kRowTile, rows - r0);
+        switch (n) {
+          case 4: dot_tile<U4, SUB, 4>(wq, ws, x, r0, in, dots); break;
+          case 3: dot_tile<U4, SUB, 3>(wq, ws, x, r0, in, dots); break;
+          case 2: dot_tile<U4, SUB, 2>(wq, ws, x, r0, in, dots); break;
+          default: dot_tile<U4, SUB, 1>(wq, ws, x, r0, in, dots); break;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const float tail = shift ? dot(shift + o * groups, x.sums.data() + (r0 + i) * groups, groups) : 0.f;
+          out[(r0 + i) * out_features + o] = dots[i] + tail;
+        }
+      }
+    }
+  });
+}
+
+// w = scale * q + shift per `sub` weights: q 4-bit (uint8, two a byte) or int8; shift optional.
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& shift, int64_t sub) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be a contiguous [out, in] matrix");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales must be contiguous fp32");
+  const bool u4 = qweight.scalar_type() == at::kByte;
+  TORCH_CHECK(u4 || qweight.scalar_type() == at::kChar, "qweight must be uint8 (4-bit) or int8");
+  TORCH_CHECK(sub == 32 || (sub == 16 && !u4), "sub must be 32, or 16 for int8 weights");
+  const int64_t rows = x.size(0), in = x.size(1), out_features = qweight.size(0);
+  TORCH_CHECK(in % kBlock == 0 && qweight.size(1) == (u4 ? in / 2 : in), "x and qweight disagree on in");
+  TORCH_CHECK(scales.size(0) == out_features && scales.size(1) == in / sub, "scales must be [out, in / sub]");
+  const float* shift_ptr = nullptr;
+  if (shift.has_value()) {
+    TORCH_CHECK(shift->sizes() == scales.sizes() && shift->scalar_type() == at::kFloat && shift->is_contiguous(),
+                "shift must be shaped and typed as scales");
+    shift_ptr = shift->data_ptr<float>();
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), rows, in, sub);
+  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  const uint8_t* q = static_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sc = scales.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  if (u4) {
+    matmul<true, 32>(xq, rows, in, q, sc, shift_ptr, dst, out_features);
+  } else if (sub == 32) {
+    matmul<false, 32>(xq, rows, in, q, sc, shift_ptr, dst, out_features);
+  } else {
+    matmul<false, 16>(xq, rows, in, q, sc, shift_ptr, dst, out_features);
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("quantized_linear", &quantized_linear); }

@@ -1,0 +1,119 @@
+"""GGUF's quantized blocks as QuantizedWeights (layers/quantized.py), every value kept.
+
+Each type's block layout is read as gguf-py's dequantize reads it; scales become fp32 exactly as gguf computes them
+(K-quants: the super-block's d times the 6-bit sub-block scale), so QuantizedWeight.dequantize() reproduces
+gguf.quants.dequantize bit for bit in fp32 (tests/unit/test_quantized.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import Q4_K
+
+from tokenmill.layers.quantized import QuantizedWeight
+
+_Parts = tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]  # q [n, per block], scales, mins, zero, sub
+
+
+def _f16(field: np.ndarray) -> np.ndarray:
+    """[n, 2] bytes -> [n, 1] fp32."""
+    return np.ascontiguousarray(field).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16 k] bytes -> [n, 32 k]: per 16 bytes, the low nibbles then the high ones (GGUF's order)."""
+    n = qs.shape[0]
+    groups = qs.reshape(n, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (groups & 0x0F).reshape(n, -1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[n, 4] bytes, one bit per weight of a 32-block (Q5_0, Q5_1) -> [n, 32] of 0 or 16."""
+    bits = np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)
+    return ((bits & 1) << 4).astype(np.uint8)
+
+
+def _q4_0(b: np.ndarray) -> _Parts:
+    return _nibbles(b[:, 2:]), _f16(b[:, :2]), None, 8, 32
+
+
+def _q4_1(b: np.ndarray) -> _Parts:
+    return _nibbles(b[:, 4:]), _f16(b[:, :2]), _f16(b[:, 2:4]), 0, 32
+
+
+def _q8_0(b: np.ndarray) -> _Parts:
+    return np.ascontiguousarray(b[:, 2:]).view(np.int8), _f16(b[:, :2]), None, 0, 32
+
+
+def _q5_0(b: np.ndarray) -> _Parts:
+    q = (_nibbles(b[:, 6:]) | _high_bits(b[:, 2:6])).astype(np.int8) - np.int8(16)
+    return q, _f16(b[:, :2]), None, 0, 32
+
+
+def _q5_1(b: np.ndarray) -> _Parts:
+    q = (_nibbles(b[:, 8:]) | _high_bits(b[:, 4:8])).astype(np.int8)
+    return q, _f16(b[:, :2]), _f16(b[:, 2:4]), 0, 32
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K and Q5_K: per 32-block scale d * sc and min -(dmin * m), [n, 8] each."""
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    return _f16(b[:, :2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * m.astype(np.float32))
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 128] bytes -> [n, 256]: per 32 bytes, the low nibbles (one 32-block) then the high ones (the next)."""
+    n = qs.shape[0]
+    groups = qs.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (groups & 0x0F).reshape(n, -1)
+
+
+def _q4_k(b: np.ndarray) -> _Parts:
+    scales, mins = _k_scales(b)
+    return _k_nibbles(b[:, 16:]), scales, mins, 0, 32
+
+
+def _q5_k(b: np.ndarray) -> _Parts:
+    scales, mins = _k_scales(b)
+    n = b.shape[0]
+    high = ((b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4
+    q = (_k_nibbles(b[:, 48:]) | high.reshape(n, -1)).astype(np.int8)
+    return q, scales, mins, 0, 32
+
+
+def _q6_k(b: np.ndarray) -> _Parts:
+    n = b.shape[0]
+    low = (b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low.reshape(n, -1) | (high.reshape(n, -1) << 4)).astype(np.int8) - np.int8(32)
+    scales = _f16(b[:, 208:210]) * np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    return q, scales, None, 0, 16
+
+
+# type -> (bytes per block, reader)
+_READERS: dict[QType, tuple[int, Callable[[np.ndarray], _Parts]]] = {
+    QType.Q4_0: (18, _q4_0), QType.Q4_1: (20, _q4_1), QType.Q8_0: (34, _q8_0), QType.Q5_0: (22, _q5_0),
+    QType.Q5_1: (24, _q5_1), QType.Q4_K: (144, _q4_k), QType.Q5_K: (176, _q5_k), QType.Q6_K: (210, _q6_k),
+}
+QUANTIZED_TYPES = frozenset(_READERS)
+
+
+def quantized_weight(data: np.ndarray, qtype: QType) -> QuantizedWeight:
+    """A 2-D GGUF tensor's raw bytes [rows, bytes per row] as a QuantizedWeight of the same rows."""
+    block_bytes, read = _READERS[qtype]
+    rows = data.shape[0]
+    q, scales, mins, zero, sub = read(data.reshape(-1, block_bytes))
+    q = q.reshape(rows, -1)
+    if q.dtype == np.uint8:  # 4-bit: two weights a byte, weight j and 16 + j of each 32-block together
+        blocks = q.reshape(rows, -1, 2, 16)
+        q = blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)
+    return QuantizedWeight(
+        qweight=torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1)),
+        scales=torch.from_numpy(np.ascontiguousarray(scales).reshape(rows, -1)),
+        mins=None if mins is None else torch.from_numpy(np.ascontiguousarray(mins).reshape(rows, -1)),
+        zero=zero, sub=sub,
+    )
