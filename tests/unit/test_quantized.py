@@ -16,7 +16,7 @@ from helpers import our_logits, write_tiny_gguf
 from torch import nn
 
 from tokenmill import kernels
-from tokenmill.layers.quantized import QuantizedLinear, QuantizedWeight
+from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
 from tokenmill.loader import load_model
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight
 
@@ -122,24 +122,28 @@ def test_without_kernels_a_gguf_loads_dense_with_one_log_line(tmp_path: Path, mo
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0, hidden=256)
+    ids = list(range(3, 250, 9))
     kernels.load.cache_clear()
     try:
         with caplog.at_level(logging.INFO):
-            loaded = load_model(str(write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0, hidden=256)),
-                                dtype="float32", device="cpu")
+            loaded = load_model(str(path), dtype="float32", device="cpu")
+            plain = our_logits(loaded, ids)  # torch's norms too
     finally:
+        monkeypatch.undo()
         kernels.load.cache_clear()
     assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
     notes = [r.getMessage() for r in caplog.records if r.name == "tokenmill.kernels"]
     assert notes == ["C++ kernels unavailable (Error building extension: g++: command not found): plain PyTorch "
                      "paths, quantized weights dequantized at load"]
+    if kernels.load():  # the same numbers as the dense path with the kernels' norms
+        dense = load_model(str(path), dtype="float32", device="cpu", quantized=False)
+        assert torch.allclose(plain, our_logits(dense, ids), atol=1e-4)
 
 
 @needs_kernels
 @pytest.mark.parametrize("budget", [0, 2**30])
 def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int, tmp_path: Path) -> None:
-    from tokenmill.layers.quantized import DENSE_FROM_ROWS
-
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
     loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=budget)
     linear = loaded.model.model.layers[0].mlp.down_proj

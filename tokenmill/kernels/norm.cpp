@@ -35,11 +35,11 @@ void rms_rows(T* x, const T* residual, const T* weight, T* out, int64_t rows, in
   });
 }
 
-at::Tensor norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+at::Tensor norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight_in,
                 double eps) {
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 && x.size(-1) == weight.size(0),
+  const at::Tensor weight = weight_in.to(x.scalar_type()).contiguous();
+  TORCH_CHECK(x.is_contiguous() && weight.dim() == 1 && x.size(-1) == weight.size(0),
               "x must be contiguous with rows of weight's size");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must share a dtype");
   const int64_t dim = weight.size(0), rows = x.numel() / dim;
   at::Tensor res;
   if (residual.has_value()) {

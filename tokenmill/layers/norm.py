@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -12,6 +14,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # PyTorch's fused kernel: one op instead of eight, statistics in fp32 whatever the compute dtype; in fp32
-        # bitwise equal to the reference formula, in bf16 closer to exact (it rounds once, not twice).
+        if x.device.type == "cpu" and kernels.load():  # one pass (kernels/norm.cpp): torch's is ~8 small ops
+            return torch.ops.tokenmill.rms_norm(x, self.weight, self.eps)
+        # PyTorch's fused kernel: statistics in fp32 whatever the compute dtype; in fp32 bitwise equal to the
+        # reference formula, in bf16 closer to exact (it rounds once, not twice).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm); the sum is written into x where the kernels run (x must be a tensor the
+        caller owns: the residual stream)."""
+        if x.device.type == "cpu" and kernels.load():
+            return x, torch.ops.tokenmill.add_rms_norm(x, residual, self.weight, self.eps)
+        x = x + residual
+        return x, self(x)

@@ -75,10 +75,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; pending: the previous layer's MLP output, not yet added (None in the first
+        layer), so that each add fuses with the norm after it. Returns the stream and this layer's MLP output."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, pending)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, rope, meta))
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -92,9 +98,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        pending = None
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, pending = layer(x, pending, rope, meta)
+        return self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
 
 
 # Checkpoint tensors stacked (along dim 0, in this order) into one parameter, so that each group runs as one matmul.
