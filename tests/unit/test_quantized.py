@@ -54,7 +54,7 @@ def emulated(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     rows, width = x.shape
     blocks = x.view(rows, width // 32, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
+    q = torch.where(scale > 0, torch.round(blocks * torch.where(scale > 0, 1 / scale, 0)), 0)
     return (q * scale).view(rows, width).double() @ weight.dequantize().double().T
 
 
