@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill import kernels
 from tokenmill.layers.attention import _decode_attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -50,3 +51,28 @@ def test_no_mask_means_every_key(dtype: torch.dtype) -> None:
     every_key = torch.ones(1, 1, 1, 20, dtype=torch.bool)
     assert torch.equal(_decode_attention(q, keys, values, None, 0.25),
                        _decode_attention(q, keys, values, every_key, 0.25))
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_paged_kernel_reads_each_sequence_through_its_block_table(dtype: torch.dtype) -> None:
+    """kernels/attention.cpp against the same reference: scattered, shared and padded blocks in the pool."""
+    torch.manual_seed(2)
+    b, heads, kv_heads, dim, block, width = 4, 6, 2, 16, 4, 5
+    lengths = [1, 5, 17, 20]
+    pool_k = torch.full((24, block, kv_heads, dim), 1e4, dtype=dtype)  # blocks nobody's table names hold garbage
+    pool_v = torch.full((24, block, kv_heads, dim), -1e4, dtype=dtype)
+    tables = torch.zeros(b, width, dtype=torch.long)
+    keys = torch.randn(b, width * block, kv_heads, dim, dtype=dtype)
+    values = torch.randn(b, width * block, kv_heads, dim, dtype=dtype)
+    free = iter(torch.randperm(23).add(1).tolist())
+    for i, n in enumerate(lengths):
+        for j in range(-(-n // block)):
+            tables[i, j] = next(free)
+            pool_k[tables[i, j]] = keys[i, j * block:(j + 1) * block]
+            pool_v[tables[i, j]] = values[i, j * block:(j + 1) * block]
+    q = torch.randn(b, heads, dim, dtype=dtype)
+    out = torch.ops.tokenmill.paged_decode_attention(q, pool_k, pool_v, tables, torch.tensor(lengths), dim**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    diff = (out.double() - reference(q, keys, values, lengths, dim**-0.5)).abs().max().item()
+    assert diff < TOLERANCE[dtype], diff

@@ -121,6 +121,7 @@ class PagedKVCache:
         return PagedMetadata(
             k_cache=self.k, v_cache=self.v, slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=num_decodes, decode_tables=tables.flatten().to(self.device),
+            decode_lengths=lengths.to(self.device),
             decode_mask=mask[:, None, None, :].to(self.device), prefills=prefills,
         )
 

@@ -19,7 +19,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("quant.cpp", "norm.cpp")
+SOURCES = ("quant.cpp", "norm.cpp", "attention.cpp")
 DISABLE_ENV = "TOKENMILL_NO_KERNELS"  # set to 1: never build or load them (the fallback, for A/B and tests)
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill import kernels
+
 
 @dataclass
 class SequenceSlice:
@@ -30,6 +32,7 @@ class PagedMetadata:
     slot_mapping: torch.Tensor  # [tokens]: where each new token's K/V goes in the flattened pool
     num_decodes: int
     decode_tables: torch.Tensor  # [decodes * max blocks]: the block tables, flat, padded with the null block
+    decode_lengths: torch.Tensor  # [decodes]: keys of each decoding sequence, its new token's included
     decode_mask: torch.Tensor  # [decodes, 1, 1, max blocks * block size]: True where a key exists
     prefills: list[tuple[SequenceSlice, torch.Tensor]]  # (slice, its block table), for the rest
 
@@ -105,7 +108,11 @@ def _paged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     b = meta.num_decodes
-    if b:
+    if b and q.device.type == "cpu" and kernels.load():  # read from the pool through the tables (kernels/)
+        tables = meta.decode_tables.view(b, -1)
+        out[:b] = torch.ops.tokenmill.paged_decode_attention(q[:b], k_cache, v_cache, tables, meta.decode_lengths,
+                                                             scale)
+    elif b:
         # index_select, not advanced indexing: 2.5x faster for this gather on CPU (measured)
         keys = k_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
         values = v_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
