@@ -59,6 +59,8 @@ def emulated(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 
 needs_kernels = pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+serves_quantized = pytest.mark.skipif(not (kernels.load() and kernels.has_vector_kernels()),
+                                      reason="GGUF weights stay quantized where the AVX2 kernels build")
 
 
 @needs_kernels
@@ -99,7 +101,7 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
     assert all(torch.equal(batched[i], linear(x[i:i + 1])[0]) for i in range(9))
 
 
-@needs_kernels
+@serves_quantized
 def test_a_gguf_is_served_quantized_and_tracks_its_dense_twin(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_1, hidden=256)
     kept = load_model(str(path), dtype="float32", device="cpu")
@@ -141,7 +143,7 @@ def test_without_kernels_a_gguf_loads_dense_with_one_log_line(tmp_path: Path, mo
         assert torch.allclose(plain, our_logits(dense, ids), atol=1e-4)
 
 
-@needs_kernels
+@serves_quantized
 @pytest.mark.parametrize("budget", [0, 2**30])
 def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int, tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
@@ -154,3 +156,14 @@ def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int,
         kernel = emulated(x, linear.weight).float()
         expected = dense if budget and rows >= DENSE_FROM_ROWS else kernel
         assert torch.allclose(linear(x), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+@needs_kernels
+def test_a_cpu_without_avx2_gets_dense_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx")
+    with caplog.at_level(logging.INFO):
+        loaded = load_model(str(write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)),
+                            dtype="float32", device="cpu")
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    assert any("lacks AVX2/FMA: GGUF weights dequantized at load" in r.getMessage() for r in caplog.records)

@@ -73,8 +73,9 @@ class QuantizedWeight:
                                parts[0].zero, parts[0].sub)
 
 
-# From this many rows a step runs the dense copy where there is one. Measured whole steps of SmolLM2 on a 2-core
-# AVX2 Zen 3 (fp32): the kernel 1.9x faster at 8 rows, even at 32 (0.94x), dense 1.6-1.9x faster at 256.
+# From this many rows a step runs the dense copy where there is one. Measured on SmolLM2, 2-core AVX2 Zen 3, fp32:
+# over HTTP the kernel 1.35x faster at 8 streams and even at 32 (0.93x); in-process 16- and 32-row steps within
+# noise of each other with the copy from 16 rows or from 48; single matmuls of 256 rows 1.6-1.9x faster dense.
 DENSE_FROM_ROWS = 48
 
 

@@ -94,6 +94,10 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         template_source = gguf.metadata.get("tokenizer.chat_template")
         keep = quantized and dev.type == "cpu" and kernels.load()
+        if keep and not kernels.has_vector_kernels():
+            log.info("this CPU lacks AVX2/FMA: GGUF weights dequantized at load (the quantized kernels' plain loops "
+                     "are slower than dense matmuls)")
+            keep = False
         weights = gguf_loader.load_weights(gguf, config, torch_dtype, keep_quantized=keep)
     elif (path / "config.json").exists():
         config = st_loader.model_config(path)
