@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Side by side over HTTP, in interleaved rounds: tokenmill (default), tokenmill --no-quantized-weights,
+# tokenmill without its C++ kernels (TOKENMILL_NO_KERNELS=1), llama-server; one server at a time, 2 threads each.
+#   LLAMA_SERVER=path/to/llama-server bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
+# Each server: 8 warm-up requests, then baseline (4 x 128 tokens), burst 8, burst 32 and a prefill probe
+# (4 prompts of 400 words, 2 tokens out); JSON reports in OUT as SERVER-rROUND-WORKLOAD.json, memory in OUT/rss.txt.
+# `tokenmill bench --compare A.json B.json` compares two of them.
+set -u
+GGUF=${1:-$HOME/.cache/tokenmill/SmolLM2-135M-Instruct.Q4_1.gguf}
+ROUNDS=${2:-3}
+OUT=${3:-results}
+LS=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary (tokenmill/bench/README.md builds one)}
+TM=${TOKENMILL:-tokenmill}
+PORT=8123
+mkdir -p "$OUT"
+start() {
+  case $1 in
+    tokenmill) $TM serve "$GGUF" --port $PORT --threads 2 ;;
+    dequantized) $TM serve "$GGUF" --port $PORT --threads 2 --no-quantized-weights ;;
+    no-kernels) TOKENMILL_NO_KERNELS=1 $TM serve "$GGUF" --port $PORT --threads 2 ;;
+    llama-server) $LS -m "$GGUF" -t 2 -np 32 -c 65536 --host 127.0.0.1 --port $PORT ;;
+  esac > "$OUT/$1.log" 2>&1 &
+  echo $!
+}
+rss() { grep -E "VmRSS|VmHWM" "/proc/$1/status" | awk '{printf "%s %d MiB ", $1, $2 / 1024}'; }
+for r in $(seq "$ROUNDS"); do
+  for s in tokenmill dequantized no-kernels llama-server; do
+    pid=$(start $s)
+    for _ in $(seq 180); do curl -sf 127.0.0.1:$PORT/health > /dev/null && break; sleep 1; done
+    B="$TM bench --url http://127.0.0.1:$PORT/v1 --output-len 128 --ignore-eos"
+    $B --workload burst --num-requests 8 --seed $((100 + r)) --warmup 0 > /dev/null
+    echo "round $r $s start: $(rss "$pid")" >> "$OUT/rss.txt"
+    $B --workload baseline --num-requests 4 --seed $((10 + r)) --json "$OUT/$s-r$r-baseline.json" > /dev/null
+    $B --workload burst --num-requests 8 --concurrency 8 --seed $((20 + r)) --json "$OUT/$s-r$r-burst8.json" > /dev/null
+    $B --workload burst --num-requests 32 --concurrency 32 --seed $((30 + r)) --json "$OUT/$s-r$r-burst32.json" \
+      > /dev/null
+    echo "round $r $s after burst32: $(rss "$pid")" >> "$OUT/rss.txt"
+    $TM bench --url http://127.0.0.1:$PORT/v1 --workload baseline --num-requests 4 --prompt-len 400 --output-len 2 \
+      --ignore-eos --seed $((40 + r)) --json "$OUT/$s-r$r-prefill.json" > /dev/null
+    kill "$pid"; wait "$pid" 2> /dev/null; sleep 2
+  done
+done
