@@ -74,9 +74,9 @@ class QuantizedWeight:
 
 
 # From this many rows a step runs the dense copy where there is one. Measured on SmolLM2, 2-core AVX2 Zen 3, fp32:
-# over HTTP the kernel 1.35x faster at 8 streams and even at 32 (0.93x); in-process 16- and 32-row steps within
-# noise of each other with the copy from 16 rows or from 48; single matmuls of 256 rows 1.6-1.9x faster dense.
-DENSE_FROM_ROWS = 48
+# the kernel 1.35x faster than dense over HTTP at 8 streams; at 32 rows the profiled step's matmuls 1.36 ms a call
+# quantized against 0.81 ms dense (whole steps too noisy there to tell); 256-row matmuls 1.6-1.9x faster dense.
+DENSE_FROM_ROWS = 32
 
 
 class QuantizedLinear(nn.Module):
