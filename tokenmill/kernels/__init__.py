@@ -57,6 +57,13 @@ def load() -> bool:
     key.update(torch.__version__.encode())
     started = time.perf_counter()
     try:
+        import ninja  # the PyPI package: its binary sits in the venv, which need not be on PATH
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
+    except ImportError:
+        pass  # a system ninja, or none: the build says which
+    try:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
