@@ -50,6 +50,16 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding these tensors (no initialisation of its own), for prepack_linears to take like any."""
+    with torch.device("meta"):
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
 def prepack_linears(module: nn.Module) -> None:
     """Replace every nn.Linear under module by a PackedLinear of the same weights."""
     for parent in list(module.modules()):

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-BLOCK = 32  # weights per block of 4-bit storage, and activations per scale in the kernel
-
 
 @dataclass
 class QuantizedWeight:

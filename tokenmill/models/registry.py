@@ -7,12 +7,11 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.linear import PackedLinear, can_prepack
+from tokenmill.layers.linear import can_prepack, linear_of
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
@@ -51,33 +50,22 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
     for module in model.modules():  # tables outside the state dict (non-persistent buffers), built where they run
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
-    packs = prepack and can_prepack(device, dtype)
-    if packs:
-        model.prepack_weights()
-    _add_dense_copies(model, dtype, dense_budget, packs)
+    _add_dense_copies(model, dtype, dense_budget)
+    if prepack and can_prepack(device, dtype):
+        model.prepack_weights()  # the dense copies too: they are Linears like the rest
     return model.eval()
 
 
-def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int, prepack: bool) -> None:
+def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> None:
     quantized = {id(m): m for m in model.modules() if isinstance(m, QuantizedLinear)}.values()
-    needed = sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
     if not quantized:
         return
+    needed = sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
     if needed > budget:
         log.info("quantized weights without dense copies: they would take %d MiB, over the budget of %d MiB "
                  "(--dense-weights-budget); every step runs the quantized kernels", needed >> 20, budget >> 20)
         return
     for module in quantized:
-        dense = module.weight.dequantize(dtype)
-        module.dense = PackedLinear(dense, module.bias) if prepack else _Linear(dense, module.bias)
+        module.dense = linear_of(module.weight.dequantize(dtype), module.bias)
     log.info("dense copies of the quantized weights for steps of %d rows or more: %d MiB", DENSE_FROM_ROWS,
              needed >> 20)
-
-
-class _Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight, self.bias = weight, bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
