@@ -167,3 +167,25 @@ def test_a_cpu_without_avx2_gets_dense_weights(tmp_path: Path, monkeypatch: pyte
                             dtype="float32", device="cpu")
     assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
     assert any("lacks AVX2/FMA: GGUF weights dequantized at load" in r.getMessage() for r in caplog.records)
+
+
+@serves_quantized
+def test_a_quantized_matrix_of_the_wrong_shape_is_refused(tmp_path: Path) -> None:
+    """A crafted file whose quantized k projection has its dimensions swapped (same count, whole blocks per row):
+    a clear error at load. (Rows that are not whole blocks, gguf's reader refuses itself.)"""
+    import struct
+
+    from gguf import GGUFReader
+
+    from tokenmill.errors import ModelFormatError
+
+    tensor = "blk.0.attn_k.weight"
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
+    info = next(t for t in GGUFReader(path).tensors if t.name == tensor)
+    data = bytearray(path.read_bytes())
+    dims_at = info.field.offset + 8 + len(tensor.encode()) + 4  # name length, name, number of dimensions
+    cols, rows = struct.unpack_from("<QQ", data, dims_at)
+    struct.pack_into("<QQ", data, dims_at, rows, cols)
+    (tmp_path / "crafted.gguf").write_bytes(data)
+    with pytest.raises(ModelFormatError, match=r"checkpoint shape \(\d+, \d+\), model expects"):
+        load_model(str(tmp_path / "crafted.gguf"), dtype="float32", device="cpu")
