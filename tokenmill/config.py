@@ -64,5 +64,7 @@ class ServerConfig:
     max_logit_bias: int = option(1024, "logit_bias entries of one request")
     chat_template_timeout: float = option(2.0, "seconds a chat template may take to render one request")
     chat_template_max_chars: int = option(8 * 2**20, "characters a chat template may render for one request")
+    grammar_compile_timeout: float = option(2.0, "seconds a request's JSON schema, regex or grammar may take to "
+                                                 "compile (400 beyond)")
     allow_request_chat_template: bool = option(False, "let requests bring their own chat_template (rendered in the "
                                                       "same sandbox)")

@@ -11,6 +11,7 @@ from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import EngineError, EngineUnavailableError, RequestError, ServerBusyError
 from tokenmill.sampling import SamplingParams
+from tokenmill.structured.backend import CompiledGrammar
 
 
 class RequestStream:
@@ -41,10 +42,11 @@ class EngineClient:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
-               prompt_param: str = "prompt") -> list[RequestStream]:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1, prompt_param: str = "prompt",
+               grammar: CompiledGrammar | None = None) -> list[RequestStream]:
         """n sequences per prompt, all or none; call from the event loop. A seeded request gives choice i the
-        seed + i, so choices differ but repeat. prompt_param names the prompt's field in errors."""
+        seed + i, so choices differ but repeat. prompt_param names the prompt's field in errors; grammar: what every
+        sequence's text must match (each follows it on its own)."""
         self._check_capacity(len(prompts) * n)
         admitted = [(ids, self._admit(ids, params, prompt_param)) for ids in prompts]  # every check before any add
         streams = []
@@ -52,7 +54,7 @@ class EngineClient:
             for i in range(n):
                 p = resolved if resolved.seed is None or i == 0 else replace(resolved, seed=resolved.seed + i)
                 stream = RequestStream(self.engine)
-                stream.seq_id = self.engine.add(prompt_ids, p, stream.put)
+                stream.seq_id = self.engine.add(prompt_ids, p, stream.put, grammar.new() if grammar else None)
                 streams.append(stream)
         return streams
 

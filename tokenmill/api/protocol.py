@@ -1,12 +1,13 @@
-"""OpenAI request models (pydantic) and their translation into SamplingParams.
+"""OpenAI request models (pydantic) and their translation into SamplingParams and a structured-output spec.
 
 Fields OpenAI defines keep OpenAI's names and defaults; vLLM's extensions (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output) are accepted too. Unknown fields are ignored,
-as OpenAI-compatible servers do, so newer clients keep working.
+ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output, structured_outputs and the older guided_*) are
+accepted too. Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients keep working.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenmill.config import ServerConfig
 from tokenmill.errors import RequestError
 from tokenmill.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from tokenmill.structured import StructuredSpec
 
 INT32_MAX = 2**31 - 1
 
@@ -65,12 +67,51 @@ def _invalid_unicode_at(value: Any, path: str = "") -> str | None:
     return None
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of its fields."""
+    model_config = ConfigDict(extra="forbid")  # whitespace_pattern, structural_tag...: refused, not dropped
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _json_spec(schema: dict[str, Any] | str, param: str) -> StructuredSpec:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise RequestError(f"{param}: the schema is not valid JSON: {exc}", param=param) from exc
+    if not isinstance(schema, dict):
+        raise RequestError(f"{param}: a JSON schema must be an object", param=param)
+    return StructuredSpec("json", json.dumps(schema))
+
+
+def _choice_spec(choices: list[str], param: str) -> StructuredSpec:
+    if not choices or not all(choices):
+        raise RequestError(f"{param}: give at least one choice, none of them empty", param=param)
+    return StructuredSpec("choice", json.dumps(choices))
+
+
 # Request fields that map one-to-one onto SamplingParams; left out (None), SamplingParams' default holds.
 _PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "ignore_eos", "min_tokens", "include_stop_str_in_output")
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """Ranges are checked here, once, so the OpenAPI schema states them; the defaults are SamplingParams'. The
     server's configurable limits are checked in _sampling_params, what needs the vocabulary at admission."""
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -95,6 +136,13 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -103,6 +151,48 @@ class _SamplingFields(BaseModel):
         if at is not None:
             raise RequestError(f"{at}: the text is not valid Unicode (a lone surrogate escape?)", param=at)
         return data
+
+    def structured_spec(self) -> tuple[StructuredSpec, str] | None:
+        """What the output must match, and the field that asked (for errors); None: free text."""
+        found: list[tuple[StructuredSpec, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append((StructuredSpec("json", '{"type": "object"}'), "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise RequestError("response_format: type json_schema needs a json_schema", param="response_format")
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {"type": "object"}
+            found.append((_json_spec(schema, "response_format.json_schema.schema"), "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            given = [name for name in ("json_", "regex", "choice", "grammar", "json_object")
+                     if getattr(so, name) not in (None, False)]
+            if len(given) != 1:
+                raise RequestError("structured_outputs: give exactly one of json, regex, choice, grammar, "
+                                   "json_object", param="structured_outputs")
+            param = f"structured_outputs.{given[0].rstrip('_')}"
+            if so.json_ is not None:
+                found.append((_json_spec(so.json_, param), param))
+            elif so.regex is not None:
+                found.append((StructuredSpec("regex", so.regex), param))
+            elif so.choice is not None:
+                found.append((_choice_spec(so.choice, param), param))
+            elif so.grammar is not None:
+                found.append((StructuredSpec("grammar", so.grammar), param))
+            else:
+                found.append((StructuredSpec("json", '{"type": "object"}'), param))
+        if self.guided_json is not None:
+            found.append((_json_spec(self.guided_json, "guided_json"), "guided_json"))
+        if self.guided_regex is not None:
+            found.append((StructuredSpec("regex", self.guided_regex), "guided_regex"))
+        if self.guided_choice is not None:
+            found.append((_choice_spec(self.guided_choice, "guided_choice"), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append((StructuredSpec("grammar", self.guided_grammar), "guided_grammar"))
+        if len(found) > 1:
+            fields = ", ".join(param.split(".")[0] for _, param in found)
+            raise RequestError(f"give one structured-output constraint, not several ({fields})", param=found[1][1])
+        return found[0] if found else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: ServerConfig,
                          num_prompts: int = 1) -> SamplingParams:
@@ -132,7 +222,7 @@ class _SamplingFields(BaseModel):
                               stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs, **given)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -159,7 +249,7 @@ class ChatCompletionRequest(_SamplingFields):
         return out
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

@@ -17,13 +17,14 @@ from tokenmill.api import responses
 from tokenmill.api.engine_client import EngineClient, RequestStream, collect, merge
 from tokenmill.api.errors import error_response
 from tokenmill.api.guards import ServingState
-from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenmill.api.sse import sse_done, sse_event
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import ModelFormatError, ModelNotFoundError, RequestError
 from tokenmill.loader.chat_template import ChatTemplate
+from tokenmill.structured.backend import CompiledGrammar
 
 router = APIRouter()
 
@@ -74,6 +75,19 @@ async def models(request: Request) -> dict:
     }]}
 
 
+async def _grammar(serving: Serving, body: SamplingFields) -> CompiledGrammar | None:
+    """The request's structured-output constraint, compiled in a worker thread within the server's time budget."""
+    found = body.structured_spec()
+    if found is None:
+        return None
+    spec, param = found
+    timeout = serving.config.grammar_compile_timeout
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(serving.engine.grammars.compile, spec, param), timeout)
+    except TimeoutError as exc:
+        raise RequestError(f"{param}: did not compile within {timeout:g} s", param=param) from exc
+
+
 def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
     """The rendered and tokenized conversation (run in a worker thread: both may take a while)."""
     engine, config = serving.engine, serving.config
@@ -97,8 +111,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     serving = _serving(request)
     _check_model(serving, body.model)
     params = body.sampling_params(serving.config)
+    grammar = await _grammar(serving, body)
     prompt_ids = await asyncio.to_thread(_chat_prompt, serving, body)
-    streams = serving.client.submit([prompt_ids], params, body.n, prompt_param="messages")
+    streams = serving.client.submit([prompt_ids], params, body.n, prompt_param="messages", grammar=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tk = serving.engine.tokenizer
     if body.stream:
@@ -120,8 +135,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.echo and body.logprobs is not None:
         raise RequestError("echo with logprobs is not supported", param="echo")
     tk = serving.engine.tokenizer
+    grammar = await _grammar(serving, body)
     prompts = await asyncio.to_thread(lambda: [tk.encode(p) if isinstance(p, str) else p for p in body.prompts()])
-    streams = serving.client.submit(prompts, params, body.n)
+    streams = serving.client.submit(prompts, params, body.n, grammar=grammar)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:

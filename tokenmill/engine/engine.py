@@ -29,6 +29,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.models.config import attention_crossover
 from tokenmill.sampling import SamplingParams
+from tokenmill.structured.backend import Grammar, GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,9 @@ class Engine:
         self.scheduler = Scheduler(c, self.kv_cache, self.max_model_len, self.tokenizer.eos_token_ids,
                                    attention_crossover(mc))
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, c.seed)
+        # Read by API threads (compile) and by the sampler (masks); built here, before any request arrives.
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), mc.vocab_size, self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, c.seed, self.grammars)
 
     def _context_that_fits(self, context: int, kv_tokens: int) -> int:
         """The context served: the model's, or less when the KV memory cannot hold one whole context (otherwise a
@@ -116,13 +119,14 @@ class Engine:
     def num_waiting(self) -> int:
         return self._unfinished - self._num_running
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> int:
+    def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, grammar: Grammar | None = None) -> int:
         """Queue one sequence (params.max_tokens resolved, ids checked: see api/engine_client.py); its outputs go to
-        sink, called on the engine thread. Returns its id, for abort."""
+        sink, called on the engine thread; grammar: its own, from self.grammars (structured output). Returns its
+        id, for abort."""
         seq_id = next(self._ids)
         with self._unfinished_lock:
             self._unfinished += 1
-        self._inbox.put(("add", (seq_id, prompt_ids, params, sink, time.perf_counter())))
+        self._inbox.put(("add", (seq_id, prompt_ids, params, sink, time.perf_counter(), grammar)))
         return seq_id
 
     def abort(self, seq_id: int) -> None:
@@ -175,7 +179,8 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink, arrival: float) -> None:
+    def _add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink, arrival: float,
+             grammar: Grammar | None) -> None:
         device = self.runner.device
         seq = Sequence(
             seq_id=seq_id, prompt_ids=prompt_ids, params=params,
@@ -184,6 +189,7 @@ class Engine:
             sink=sink, arrival_time=arrival,
             # A seeded request samples from its own stream, so its tokens do not depend on its neighbours.
             generator=None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed),
+            grammar=grammar,
         )
         self._seqs[seq_id] = seq
         self.scheduler.add(seq)

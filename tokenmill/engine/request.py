@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.sampling import SamplingParams
+from tokenmill.structured.backend import Grammar
 
 
 class Status(enum.Enum):
@@ -48,6 +49,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     sink: Callable[[SequenceOutput], None]  # called on the engine thread; must be thread-safe
     generator: torch.Generator | None = None  # seeded requests sample from their own stream
+    grammar: Grammar | None = None  # structured output: what the text must match, advanced token by token
     arrival_time: float = 0.0  # perf_counter() at submit, for time to first token
     last_token_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.request import Sequence, TokenLogprob
+from tokenmill.structured.backend import GrammarCompiler
 
 _NEG_INF = float("-inf")
 
@@ -27,10 +28,13 @@ def _occurrences(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], device: torch.device, seed: int) -> None:
-        """seed: the stream of the requests that bring no seed of their own."""
+    def __init__(self, eos_token_ids: set[int], device: torch.device, seed: int,
+                 grammars: GrammarCompiler | None = None) -> None:
+        """seed: the stream of the requests that bring no seed of their own; grammars: the masks of sequences
+        with structured output."""
         self.eos_token_ids = sorted(eos_token_ids)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.grammars = grammars
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -38,9 +42,21 @@ class Sampler:
         (where asked) their logprobs."""
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw = logits.clone() if wants_logprobs else logits  # sampling works in place
+        self._apply_grammars(logits, seqs)
         logits = self._apply_penalties_and_bias(logits, seqs)
         tokens = self._sample(logits, seqs)
         return tokens.tolist(), self._logprobs(raw, tokens, seqs) if wants_logprobs else [None] * len(seqs)
+
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Tokens a sequence's grammar does not allow next get -inf: one batched fill and one masked write over the
+        constrained rows only; a step without structured output does nothing here."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return
+        assert self.grammars is not None, "a sequence has a grammar but the sampler has no grammar backend"
+        allowed = self.grammars.fill_masks([seqs[i].grammar for i in rows])  # type: ignore[misc]
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill_(~allowed.to(logits.device), _NEG_INF)
 
     def _apply_penalties_and_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, vocab = logits.shape
@@ -50,7 +66,8 @@ class Sampler:
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), device=dev)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=dev)
-            if len(seq.output_ids) < p.min_tokens:
+            # min_tokens gives way to a grammar that has ended: its text is complete and only an end token fits.
+            if len(seq.output_ids) < p.min_tokens and not (seq.grammar is not None and seq.grammar.ended):
                 banned = [*self.eos_token_ids, *p.stop_token_ids]
                 if banned:
                     logits[i, torch.tensor(banned, device=dev)] = _NEG_INF

@@ -58,7 +58,9 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: set[int] | frozenset[in
     """The finish reason a just-appended token gives its sequence, by token alone (stop strings are text: the
     engine's output side checks them)."""
     p = seq.params
-    if token in p.stop_token_ids or (token in eos_token_ids and not p.ignore_eos):
+    # A grammar that has ended admits nothing but an end token: it ends the sequence even under ignore_eos.
+    ended = seq.grammar is not None and seq.grammar.ended
+    if token in p.stop_token_ids or (token in eos_token_ids and (not p.ignore_eos or ended)):
         return "stop"
     if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
@@ -226,6 +228,8 @@ class Scheduler:
             seq = item.seq
             for token in tokens:
                 seq.output_ids.append(token)
+                if seq.grammar is not None:
+                    seq.grammar.accept(token)  # the sampler's mask allowed it
                 reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
                 if reason is not None:
                     self.finish(seq, reason)

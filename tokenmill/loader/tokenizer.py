@@ -157,6 +157,10 @@ class Tokenizer:
             eos_ids.add(tok.token_to_id(eos))
         return cls(tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what other libraries, such as the grammar backend, load)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Encode raw text; special-token text in it becomes control tokens (the completions API's prompt)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
