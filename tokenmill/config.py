@@ -66,5 +66,7 @@ class ServerConfig:
     chat_template_max_chars: int = option(8 * 2**20, "characters a chat template may render for one request")
     grammar_compile_timeout: float = option(2.0, "seconds a request's JSON schema, regex or grammar may take to "
                                                  "compile (400 beyond)")
+    tool_call_parser: str | None = option(None, "the tool-call format read from outputs: hermes, smollm2 or "
+                                                "llama3_json (default: chosen from the chat template)")
     allow_request_chat_template: bool = option(False, "let requests bring their own chat_template (rendered in the "
                                                       "same sandbox)")

@@ -27,3 +27,5 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
     include_stop_str_in_output: bool = False
+    # Special tokens whose text the output keeps (they are skipped otherwise): what delimits a tool call
+    shown_special_token_ids: list[int] = field(default_factory=list)

@@ -14,7 +14,7 @@ from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Sequence
 from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.scheduler import Scheduler, ScheduledSequence
+from tokenmill.engine.scheduler import ScheduledSequence, Scheduler
 from tokenmill.errors import RequestError
 from tokenmill.loader.gguf import GGUFFile
 from tokenmill.loader.tokenizer import Tokenizer

@@ -131,3 +131,15 @@ def test_stop_strings_cut_the_text_even_across_tokens(smollm_tokenizer: Tokenize
     assert "".join(_stream(smollm_tokenizer, text, ["Paris"], include=True)[0]) == " The capital of France is Paris"
     deltas, stopped = _stream(smollm_tokenizer, text, ["Berlin"])
     assert "".join(deltas) == text and not stopped
+
+
+def test_special_tokens_that_delimit_tool_calls_can_be_kept_in_the_text(smollm_tokenizer: Tokenizer) -> None:
+    start, end = smollm_tokenizer.special_token_ids(("<|im_start|>", "<|im_end|>", "not a token"))
+    ids = smollm_tokenizer.encode("Hi") + [start] + smollm_tokenizer.encode(" there") + [end]
+    hidden, shown = IncrementalDetokenizer(smollm_tokenizer, [], []), IncrementalDetokenizer(
+        smollm_tokenizer, [], [], shown_special_ids=[start])
+    for token in ids:
+        hidden.add_token(token)
+        shown.add_token(token)
+    assert hidden.text == "Hi there"
+    assert shown.text == "Hi<|im_start|> there"  # the kept one only; the other special token stays hidden

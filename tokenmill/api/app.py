@@ -15,8 +15,10 @@ from tokenmill.api.engine_client import EngineClient
 from tokenmill.api.errors import install_error_handlers
 from tokenmill.api.guards import RequestGuard, ServingState
 from tokenmill.api.routes import Serving, router
+from tokenmill.api.tool_parsers import choose_parser
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
+from tokenmill.errors import ConfigError
 
 
 def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None, config: ServerConfig | None = None,
@@ -24,6 +26,10 @@ def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None, c
     """`state` is shared with the server, which sets it draining on SIGTERM."""
     config = config or ServerConfig()
     state = state or ServingState()
+    try:
+        choose_parser(None, config.tool_call_parser)
+    except ValueError as exc:
+        raise ConfigError(f"--tool-call-parser: {exc}") from exc
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

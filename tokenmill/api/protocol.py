@@ -30,11 +30,24 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -46,6 +59,27 @@ class ChatMessage(BaseModel):
                                    param="messages")
             parts.append(part.text)
         return "".join(parts)
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None  # a forced call always follows the schema
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 def _invalid_unicode_at(value: Any, path: str = "") -> str | None:
@@ -230,10 +264,14 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template: str | None = None  # vLLM's extension; off unless the server allows it
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def sampling_params(self, limits: ServerConfig) -> SamplingParams:
         if not self.messages:
             raise RequestError("messages must hold at least one message", param="messages")
+        self._check_tools()
         if len(self.messages) > limits.max_messages:
             raise RequestError(f"at most {limits.max_messages} messages are allowed", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
@@ -241,12 +279,58 @@ class ChatCompletionRequest(SamplingFields):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, limits)
 
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise RequestError("tools: two tools have the same name", param="tools")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise RequestError("tool_choice is only allowed when tools are specified", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise RequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                               param="tool_choice")
+        if self.forced_tools() is not None and self.structured_spec() is not None:
+            raise RequestError("a required or named tool_choice cannot be combined with a structured-output "
+                               "constraint", param="tool_choice")
+
+    @property
+    def uses_tools(self) -> bool:
+        """The model is shown the tools and its output is read for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The tools as function definitions: {name, description, parameters}."""
+        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or []]
+
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The tools one of which the output must call (tool_choice required or named), or None."""
+        choice = self.tool_choice
+        if not self.tools or choice in (None, "none", "auto"):
+            return None
+        specs = self.tool_specs()
+        if isinstance(choice, NamedToolChoice):
+            return [s for s in specs if s["name"] == choice.function.name]
+        return specs
+
     def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them: text content, and tool calls' arguments as objects (templates
+        write them with tojson) where they are JSON."""
         out = []
         for m in self.messages:
             message = {**m.model_dump(exclude_none=True), "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [{**call.model_dump(), "function": {
+                    "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                    for call in m.tool_calls]
             out.append(message)
         return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class CompletionRequest(SamplingFields):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tokenmill.api.errors import error_body
+from tokenmill.api.tool_parsers import ToolCall, ToolCallDelta, ToolParser, parse_tool_calls
 from tokenmill.engine.request import SequenceOutput, TokenLogprob
 from tokenmill.loader.tokenizer import Tokenizer
 
@@ -56,17 +58,39 @@ def _cached(cached_by_choice: dict[int, int], n: int) -> int:
     return sum(cached for index, cached in cached_by_choice.items() if index % n == 0)
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _finish_reason(finish: str | None, called: bool) -> str | None:
+    """A sequence that ended on its own after calling tools finished to have them run."""
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+def _message(text: str, tool_parser: type[ToolParser] | None) -> tuple[dict[str, Any], list[ToolCall]]:
+    if tool_parser is None:
+        return {"role": "assistant", "content": text, "refusal": None}, []
+    content, calls = parse_tool_calls(tool_parser, text)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = [{"id": _call_id(), "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return message, calls
+
+
 def chat_completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
-                    tk: Tokenizer) -> dict[str, Any]:
+                    tk: Tokenizer, tool_parser: type[ToolParser] | None = None) -> dict[str, Any]:
+    """tool_parser: read the text for tool calls (the request has tools), in the model's format."""
     choices, completion_tokens = [], 0
     for index, outs in enumerate(results):
         text, logprobs, finish, n_tokens = _joined(outs)
         completion_tokens += n_tokens
+        message, calls = _message(text, tool_parser)
         choices.append({
             "index": index,
-            "message": {"role": "assistant", "content": text, "refusal": None},
+            "message": message,
             "logprobs": {"content": chat_logprobs(tk, logprobs)} if logprobs else None,
-            "finish_reason": finish,
+            "finish_reason": _finish_reason(finish, bool(calls)),
         })
     cached = results[0][-1].cached_tokens
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -107,14 +131,26 @@ def _stream_error(out: SequenceOutput) -> dict[str, Any]:
     return error_body(out.error or "internal error", "internal_error", code=500)
 
 
+def _tool_call_delta(delta: ToolCallDelta, call_ids: dict[int, str]) -> dict[str, Any]:
+    """OpenAI's streamed call: the first piece carries id, type and name; the rest only argument text."""
+    if delta.name is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    call_ids[delta.index] = _call_id()
+    return {"index": delta.index, "id": call_ids[delta.index], "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}
+
+
 async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,
-                      tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]]
-                      ) -> AsyncIterator[dict[str, Any]]:
+                      tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]],
+                      tool_parser: type[ToolParser] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """tool_parser: as in chat_completion; calls stream as tool_calls deltas, the rest as content."""
     chunk = _chunker(request_id, "chat.completion.chunk", model, include_usage)
 
     started: set[int] = set()
     completion_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
+    parsers: dict[int, ToolParser] = {}
+    call_ids: dict[int, dict[int, str]] = {}
     async for index, out in outputs:
         if out.finish_reason == "error":
             yield _stream_error(out)
@@ -125,12 +161,22 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
                           "finish_reason": None}])
         completion_tokens[index] = out.completion_tokens
         cached[index] = out.cached_tokens
-        if out.text or out.logprobs:
+        content, calls = out.text, []
+        if tool_parser is not None:
+            parser = parsers.setdefault(index, tool_parser())
+            parsed = [parser.feed(out.text)] + ([parser.finish()] if out.finish_reason is not None else [])
+            content, calls = "".join(p.content for p in parsed), [d for p in parsed for d in p.calls]
+        if content or out.logprobs:
             logprobs = {"content": chat_logprobs(tk, out.logprobs)} if out.logprobs else None
-            yield chunk([{"index": index, "delta": {"content": out.text}, "logprobs": logprobs,
+            yield chunk([{"index": index, "delta": {"content": content}, "logprobs": logprobs,
                           "finish_reason": None}])
+        for delta in calls:
+            yield chunk([{"index": index, "delta": {"tool_calls": [
+                _tool_call_delta(delta, call_ids.setdefault(index, {}))]}, "logprobs": None, "finish_reason": None}])
         if out.finish_reason is not None:
-            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
+            called = index in parsers and bool(parsers[index].calls)
+            yield chunk([{"index": index, "delta": {}, "logprobs": None,
+                          "finish_reason": _finish_reason(out.finish_reason, called)}])
     if include_usage:
         yield {**chunk([]), "usage": _usage(prompt_tokens, sum(completion_tokens.values()), _cached(cached, n))}
 

@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,13 +17,16 @@ from tokenmill.api import responses
 from tokenmill.api.engine_client import EngineClient, RequestStream, collect, merge
 from tokenmill.api.errors import error_response
 from tokenmill.api.guards import ServingState
-from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.api.sse import sse_done, sse_event
+from tokenmill.api.tool_parsers import ToolParser, choose_parser
+from tokenmill.api.tools import forced_call_spec, template_inputs
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import ModelFormatError, ModelNotFoundError, RequestError
 from tokenmill.loader.chat_template import ChatTemplate
+from tokenmill.structured import StructuredSpec
 from tokenmill.structured.backend import CompiledGrammar
 
 router = APIRouter()
@@ -75,9 +78,9 @@ async def models(request: Request) -> dict:
     }]}
 
 
-async def _grammar(serving: Serving, body: SamplingFields) -> CompiledGrammar | None:
-    """The request's structured-output constraint, compiled in a worker thread within the server's time budget."""
-    found = body.structured_spec()
+async def _grammar(serving: Serving, found: tuple[StructuredSpec, str] | None) -> CompiledGrammar | None:
+    """A request's structured-output constraint (and the field that asked), compiled in a worker thread within
+    the server's time budget."""
     if found is None:
         return None
     spec, param = found
@@ -88,8 +91,9 @@ async def _grammar(serving: Serving, body: SamplingFields) -> CompiledGrammar | 
         raise RequestError(f"{param}: did not compile within {timeout:g} s", param=param) from exc
 
 
-def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
-    """The rendered and tokenized conversation (run in a worker thread: both may take a while)."""
+def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> tuple[list[int], type[ToolParser]]:
+    """The rendered and tokenized conversation, and the tool-call format of its template (run in a worker thread:
+    rendering and tokenizing may take a while)."""
     engine, config = serving.engine, serving.config
     template = engine.chat_template
     if body.chat_template is not None:
@@ -100,10 +104,11 @@ def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
             template = ChatTemplate(body.chat_template, engine.tokenizer.bos_token, engine.tokenizer.eos_token)
         except ModelFormatError as exc:
             raise RequestError(str(exc), param="chat_template") from exc
-    messages = body.template_messages()
-    prompt = template.render(messages, add_generation_prompt=body.add_generation_prompt,
+    parser = choose_parser(template.source, config.tool_call_parser)
+    messages, tools = template_inputs(body, template, parser)
+    prompt = template.render(messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
                              timeout=config.chat_template_timeout, max_chars=config.chat_template_max_chars)
-    return engine.tokenizer.encode_chat(prompt, [m["content"] for m in messages])
+    return engine.tokenizer.encode_chat(prompt, [m["content"] for m in messages]), parser
 
 
 @router.post("/v1/chat/completions")
@@ -111,20 +116,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     serving = _serving(request)
     _check_model(serving, body.model)
     params = body.sampling_params(serving.config)
-    grammar = await _grammar(serving, body)
-    prompt_ids = await asyncio.to_thread(_chat_prompt, serving, body)
+    prompt_ids, parser = await asyncio.to_thread(_chat_prompt, serving, body)
+    forced = forced_call_spec(body, parser)
+    grammar = await _grammar(serving, (forced, "tools") if forced else body.structured_spec())
+    tk = serving.engine.tokenizer
+    tool_parser = parser if body.uses_tools else None
+    if tool_parser is not None:
+        params = replace(params, shown_special_token_ids=tk.special_token_ids(parser.delimiters))
     streams = serving.client.submit([prompt_ids], params, body.n, prompt_param="messages", grammar=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    tk = serving.engine.tokenizer
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = responses.chat_chunks(request_id, serving.model_id, len(prompt_ids), include_usage, body.n, tk,
-                                       merge(streams))
+                                       merge(streams), tool_parser)
         return _sse_response(chunks, streams)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
         return Response(status_code=499)  # nobody is there to read it
-    return responses.chat_completion(request_id, serving.model_id, len(prompt_ids), results, tk)
+    return responses.chat_completion(request_id, serving.model_id, len(prompt_ids), results, tk, tool_parser)
 
 
 @router.post("/v1/completions")
@@ -135,7 +144,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.echo and body.logprobs is not None:
         raise RequestError("echo with logprobs is not supported", param="echo")
     tk = serving.engine.tokenizer
-    grammar = await _grammar(serving, body)
+    grammar = await _grammar(serving, body.structured_spec())
     prompts = await asyncio.to_thread(lambda: [tk.encode(p) if isinstance(p, str) else p for p in body.prompts()])
     streams = serving.client.submit(prompts, params, body.n, grammar=grammar)
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -9,8 +9,9 @@ class IncrementalDetokenizer:
     """The tokenizer's decode stream, with stop strings on top."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
-                 include_stop_str: bool = False) -> None:
+                 include_stop_str: bool = False, shown_special_ids: list[int] | None = None) -> None:
         self._decode_next = tokenizer.decode_stream(prompt_ids)
+        self._shown = {i: tokenizer.decode([i], skip_special_tokens=False) for i in shown_special_ids or []}
         self._stop = stop
         self._include_stop = include_stop_str
         # A stop string may straddle deltas: hold back this many characters until it can be ruled out.
@@ -22,6 +23,8 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> None:
         """Decode one more token; sets `stopped` when a stop string appears."""
         new_text = self._decode_next(token_id)
+        if token_id in self._shown:
+            new_text = (new_text or "") + self._shown[token_id]
         if new_text is None:
             return  # an incomplete UTF-8 sequence or a token with no text: wait for more
         search_from = max(0, len(self.text) - self._holdback)

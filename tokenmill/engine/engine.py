@@ -185,7 +185,7 @@ class Engine:
         seq = Sequence(
             seq_id=seq_id, prompt_ids=prompt_ids, params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
-                                               params.include_stop_str_in_output),
+                                               params.include_stop_str_in_output, params.shown_special_token_ids),
             sink=sink, arrival_time=arrival,
             # A seeded request samples from its own stream, so its tokens do not depend on its neighbours.
             generator=None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed),

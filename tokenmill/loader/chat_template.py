@@ -79,6 +79,11 @@ class _Deadline:
 class ChatTemplate:
     def __init__(self, source: str | None, bos_token: str | None, eos_token: str | None) -> None:
         self.is_fallback = not source
+        self.source = source or FALLBACK_TEMPLATE
+        # Whether the template itself shows the model its tools and its past calls; where it does not, the API
+        # writes them into the messages in the model's own tool-call format.
+        self.renders_tools = "tools" in self.source
+        self.renders_tool_calls = "tool_calls" in self.source
         env = _BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
@@ -90,15 +95,16 @@ class ChatTemplate:
         self._eos_token = eos_token or ""
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *, timeout: float,
-               max_chars: int) -> str:
+               max_chars: int, tools: list[dict[str, Any]] | None = None) -> str:
         """Render within a budget of time (seconds) and of output (characters), the server's (ServerConfig);
-        a RequestError if it fails."""
+        a RequestError if it fails. tools: OpenAI's tool objects ({type: function, function: {...}}), as Hugging
+        Face templates take them."""
         parts, size = [], 0
         previous_trace = sys.gettrace()
         sys.settrace(_Deadline(timeout))
         try:
             for part in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=self._bos_token, eos_token=self._eos_token):
+                                                bos_token=self._bos_token, eos_token=self._eos_token, tools=tools):
                 size += len(part)
                 if size > max_chars:
                     raise TemplateBudgetError(f"it wrote more than {max_chars} characters")

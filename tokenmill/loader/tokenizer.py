@@ -124,10 +124,10 @@ class Tokenizer:
         self._plain.encode_special_tokens = True
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self.special_tokens = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
-        specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self._special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self.special_tokens = list(self._special_ids)
         # End-of-generation ids: the declared eos plus every special end-of-turn token of the vocabulary.
-        self.eos_token_ids = eos_token_ids | {i for text, i in specials.items() if text in END_OF_TURN_TEXTS}
+        self.eos_token_ids = eos_token_ids | {i for text, i in self._special_ids.items() if text in END_OF_TURN_TEXTS}
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
@@ -156,6 +156,10 @@ class Tokenizer:
         if eos is not None and tok.token_to_id(eos) is not None:
             eos_ids.add(tok.token_to_id(eos))
         return cls(tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids)
+
+    def special_token_ids(self, texts: tuple[str, ...]) -> list[int]:
+        """The ids of those texts that are special tokens of this vocabulary."""
+        return [self._special_ids[text] for text in texts if text in self._special_ids]
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what other libraries, such as the grammar backend, load)."""

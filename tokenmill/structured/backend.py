@@ -104,7 +104,10 @@ class GrammarCompiler:
     def fill_masks(self, grammars: list[Grammar]) -> torch.Tensor:
         """[len(grammars), vocab_rows] bool: the tokens each grammar allows next, computed in parallel."""
         bitmask = llguidance.torch.allocate_token_bitmask(len(grammars), self.vocab_rows)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
+        if len(grammars) == 1:  # on this thread: the executor's pool would wake (and spin) for one mask
+            llguidance.torch.fill_next_token_bitmask(grammars[0].matcher, bitmask)
+        else:
+            llguidance.torch.fill_next_token_bitmask_par(
+                self._executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
         return torch.from_numpy(bits[:, :self.vocab_rows]).bool()

@@ -1,0 +1,104 @@
+"""Tool calling's request side: a two-turn tool loop rendered by a template that knows tools, and by one that does
+not (the tools and past calls then appear in the model family's own format); the grammar of a forced call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import CHATML
+
+from tokenmill.api.protocol import ChatCompletionRequest
+from tokenmill.api.tool_parsers import PARSERS, parse_tool_calls
+from tokenmill.api.tools import forced_call_spec, template_inputs
+from tokenmill.config import ServerConfig
+from tokenmill.errors import RequestError
+from tokenmill.loader.chat_template import ChatTemplate
+
+# The shape of Qwen2.5's template (Hermes tool format): tools in the system turn, calls in <tool_call> tags with
+# the arguments written by tojson, tool results in <tool_response> inside a user turn.
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}{% for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+LOOP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'},
+]
+
+
+def render(template_source: str, parser: str, **fields) -> str:
+    body = ChatCompletionRequest(model="m", messages=LOOP, **fields)
+    body.sampling_params(ServerConfig())  # a valid request
+    template = ChatTemplate(template_source, None, None)
+    messages, tools = template_inputs(body, template, PARSERS[parser])
+    return template.render(messages, tools=tools, timeout=2.0, max_chars=100_000)
+
+
+def test_a_template_that_knows_tools_renders_the_loop_its_own_way() -> None:
+    text = render(HERMES_TEMPLATE, "hermes", tools=[TOOL])
+    assert text.split("<tools>")[1].lstrip().startswith('{"type": "function", "function": {"name": "get_weather"')
+    # arguments reach the template as an object, so tojson writes them once (not as an escaped string)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "# Tools" not in render(HERMES_TEMPLATE, "hermes", tools=[TOOL], tool_choice="none")
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+def test_a_template_without_tools_gets_them_in_the_family_format(parser: str) -> None:
+    text = render(CHATML, parser, tools=[TOOL])
+    assert text.startswith("<|im_start|>system\n") and "get_weather" in text.split("<|im_end|>")[0]
+    # the past call is shown as the model would have written it, and reads back as the same call
+    assistant = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    _, calls = parse_tool_calls(PARSERS[parser], assistant)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert "<|im_start|>tool\n{\"celsius\": 21}<|im_end|>" in text
+    without = render(CHATML, parser, tools=[TOOL], tool_choice="none")
+    assert without.startswith("<|im_start|>user") and "get_weather" in without  # the past call is still shown
+
+
+def test_forced_call_spec_follows_tool_choice() -> None:
+    def spec(**fields):
+        return forced_call_spec(ChatCompletionRequest(model="m", messages=LOOP, tools=[TOOL], **fields),
+                                PARSERS["hermes"])
+
+    assert spec() is None and spec(tool_choice="auto") is None and spec(tool_choice="none") is None
+    required = spec(tool_choice="required")
+    named = spec(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert required is not None and named is not None and required.kind == named.kind == "lark"
+    assert required != spec(tool_choice="required", parallel_tool_calls=False) == named
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ({"tools": [TOOL, TOOL]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+])
+def test_inconsistent_tool_requests_are_refused(fields: dict, param: str) -> None:
+    with pytest.raises(RequestError) as caught:
+        ChatCompletionRequest(model="m", messages=LOOP, **fields).sampling_params(ServerConfig())
+    assert caught.value.param == param
