@@ -74,7 +74,9 @@ class GrammarCompiler:
         """vocab_rows: the model's output rows, which may outnumber the tokenizer's entries (those rows are
         never allowed)."""
         self.vocab_rows = vocab_rows
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_rows, eos_token=sorted(eos_token_ids))
+        # Without end tokens of its own (a bare tokenizer), llguidance finds the tokenizer's.
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_rows,
+                                                 eos_token=sorted(eos_token_ids) or None)
         self._executor = llguidance.LLExecutor()
         self._cache: OrderedDict[StructuredSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
