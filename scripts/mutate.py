@@ -31,10 +31,13 @@ class Target:
 
 
 TARGETS = {
-    "scheduler": Target("tokenmill/engine/scheduler.py", ("tests/unit/test_scheduler.py",)),
+    "scheduler": Target("tokenmill/engine/scheduler.py", ("tests/unit/test_scheduler.py",
+                                                          "tests/unit/test_structured.py")),
     "block_pool": Target("tokenmill/cache/block_pool.py", ("tests/unit/test_block_pool.py",)),
     "prefix_cache": Target("tokenmill/cache/prefix_cache.py", ("tests/unit/test_prefix_cache.py",)),
-    "sampler": Target("tokenmill/engine/sampler.py", ("tests/unit/test_sampler.py",)),
+    "sampler": Target("tokenmill/engine/sampler.py", ("tests/unit/test_sampler.py", "tests/unit/test_structured.py")),
+    "structured": Target("tokenmill/structured/backend.py", ("tests/unit/test_structured.py",)),
+    "tool_parsers": Target("tokenmill/api/tool_parsers.py", ("tests/unit/test_tool_parsers.py",)),
     "guards": Target("tokenmill/api/guards.py", ("tests/unit/test_guards.py",)),
     "gguf": Target("tokenmill/loader/gguf.py", ("tests/unit/test_model_files.py",)),
     "chat_template": Target("tokenmill/loader/chat_template.py", ("tests/unit/test_chat_template.py",)),

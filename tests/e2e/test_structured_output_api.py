@@ -13,6 +13,7 @@ import pydantic
 import pytest
 from helpers import ServerThread, assert_no_live_blocks
 
+from tokenmill.config import ServerConfig
 from tokenmill.loader import LoadedModel
 
 pytestmark = pytest.mark.slow
@@ -186,3 +187,12 @@ def test_bad_constraints_are_400_naming_the_field(client: openai.OpenAI, server:
     assert caught.value.body["param"] == param  # type: ignore[index]
     assert client.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=3).choices[0].message.content
     assert_no_live_blocks(server.engine)
+
+
+def test_a_compile_over_the_time_budget_is_a_400(tiny4k: LoadedModel) -> None:
+    with ServerThread(tiny4k, "tiny", ServerConfig(grammar_compile_timeout=1e-9)) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="did not compile within"):
+            client.completions.create(model="tiny", prompt="a", max_tokens=2, extra_body={"guided_regex": "[a-z]+"})
+        assert client.completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].finish_reason
+        assert_no_live_blocks(srv.engine)

@@ -102,3 +102,11 @@ def test_inconsistent_tool_requests_are_refused(fields: dict, param: str) -> Non
     with pytest.raises(RequestError) as caught:
         ChatCompletionRequest(model="m", messages=LOOP, **fields).sampling_params(ServerConfig())
     assert caught.value.param == param
+
+
+def test_an_unknown_tool_call_parser_stops_the_server_from_starting() -> None:
+    from tokenmill.api.app import create_app
+    from tokenmill.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--tool-call-parser: unknown tool-call parser 'mistral'"):
+        create_app(None, "m", config=ServerConfig(tool_call_parser="mistral"))  # type: ignore[arg-type]
