@@ -54,9 +54,12 @@ class Sampler:
         if not rows:
             return
         assert self.grammars is not None, "a sequence has a grammar but the sampler has no grammar backend"
-        allowed = self.grammars.fill_masks([seqs[i].grammar for i in rows])  # type: ignore[misc]
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill_(~allowed.to(logits.device), _NEG_INF)
+        banned = ~self.grammars.fill_masks([seqs[i].grammar for i in rows]).to(logits.device)  # type: ignore[misc]
+        if len(rows) == len(seqs):
+            logits.masked_fill_(banned, _NEG_INF)
+        else:
+            for k, i in enumerate(rows):
+                logits[i].masked_fill_(banned[k], _NEG_INF)
 
     def _apply_penalties_and_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, vocab = logits.shape
