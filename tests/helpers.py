@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import openai
 import torch
 import uvicorn
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFWriter
@@ -293,6 +294,11 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def openai_client(server: ServerThread, timeout: float = 120) -> openai.OpenAI:
+    """The real openai SDK, pointed at a test server, with no retries (a failure shows at once)."""
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=timeout)
 
 
 def read_metrics(root_url: str) -> dict[str, float]:

@@ -5,17 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import openai
-from helpers import ServerThread, counted, read_metrics
+from helpers import ServerThread, counted, openai_client, read_metrics
 
 from tokenmill.loader import LoadedModel
 
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16 dims, fp32
 PROMPT = [(5 * i + 3) % 250 for i in range(40)]  # 2 full blocks of 16 and a partial one
-
-
-def client(srv: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
 
 
 def metrics_when(srv: ServerThread, ready: Callable[[dict[str, float]], bool], seconds: float = 10) -> dict:
@@ -28,8 +23,8 @@ def metrics_when(srv: ServerThread, ready: Callable[[dict[str, float]], bool], s
 
 def test_kv_usage_and_running_requests_while_a_request_runs(tiny4k: LoadedModel) -> None:
     with ServerThread(tiny4k, "tiny", kv_cache_memory=str(256 * 16 * KV_BYTES_PER_TOKEN)) as srv:  # 256 blocks
-        stream = client(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=4000, stream=True,
-                                                extra_body={"ignore_eos": True})
+        stream = openai_client(srv, timeout=60).completions.create(model="tiny", prompt=PROMPT, max_tokens=4000,
+                                                                   stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
         during = metrics_when(srv, lambda m: m["tokenmill:num_requests_running"] == 1)
         blocks = len(srv.engine.kv_cache.tables[next(iter(srv.engine.kv_cache.tables))])
@@ -42,7 +37,7 @@ def test_kv_usage_and_running_requests_while_a_request_runs(tiny4k: LoadedModel)
 
 def test_token_counters_prefix_hits_and_cached_tokens_agree(tiny4k: LoadedModel) -> None:
     with ServerThread(tiny4k, "tiny") as srv:
-        sdk = client(srv)
+        sdk = openai_client(srv, timeout=60)
         before = read_metrics(srv.root_url)
         expected = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         for prompt, cached in ((PROMPT, 0), (PROMPT, 32), (PROMPT[:20] + [7] * 5, 16)):
@@ -63,8 +58,9 @@ def test_token_counters_prefix_hits_and_cached_tokens_agree(tiny4k: LoadedModel)
 def test_preemptions_are_counted(tiny4k: LoadedModel) -> None:
     # 8 blocks of 16 tokens; four requests of up to 100 tokens (7 blocks) each must take turns
     with ServerThread(tiny4k, "tiny", kv_cache_memory=str(8 * 16 * KV_BYTES_PER_TOKEN), max_num_seqs=4) as srv:
-        reply = client(srv).completions.create(model="tiny", prompt=[PROMPT, PROMPT[1:], PROMPT[2:], PROMPT[3:]],
-                                               max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+        reply = openai_client(srv, timeout=60).completions.create(
+            model="tiny", prompt=[PROMPT, PROMPT[1:], PROMPT[2:], PROMPT[3:]], max_tokens=60, temperature=0,
+            extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 4 * 60
         preemptions = counted(srv.engine.metrics.preemptions)
         assert preemptions > 0

@@ -9,22 +9,9 @@ import openai
 import pytest
 from helpers import ServerThread, assert_no_live_blocks, read_metrics
 
-from tokenmill.loader import LoadedModel
-
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm: LoadedModel):
-    with ServerThread(smollm, MODEL, max_num_seqs=8) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def stream_chat(client: openai.OpenAI, **kwargs) -> tuple[list, str]:

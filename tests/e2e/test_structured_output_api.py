@@ -11,24 +11,13 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from helpers import ServerThread, assert_no_live_blocks
+from helpers import ServerThread, assert_no_live_blocks, openai_client
 
 from tokenmill.config import ServerConfig
 from tokenmill.loader import LoadedModel
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
-
-
-@pytest.fixture(scope="module")
-def server(smollm: LoadedModel):
-    with ServerThread(smollm, MODEL, max_num_seqs=8) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def ask(text: str) -> list[dict]:
@@ -191,7 +180,7 @@ def test_bad_constraints_are_400_naming_the_field(client: openai.OpenAI, server:
 
 def test_a_compile_over_the_time_budget_is_a_400(tiny4k: LoadedModel) -> None:
     with ServerThread(tiny4k, "tiny", ServerConfig(grammar_compile_timeout=1e-9)) as srv:
-        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
+        client = openai_client(srv)
         with pytest.raises(openai.BadRequestError, match="did not compile within"):
             client.completions.create(model="tiny", prompt="a", max_tokens=2, extra_body={"guided_regex": "[a-z]+"})
         assert client.completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].finish_reason

@@ -10,8 +10,6 @@ import openai
 import pytest
 from helpers import ServerThread, assert_no_live_blocks
 
-from tokenmill.loader import LoadedModel
-
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 
@@ -27,17 +25,6 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm: LoadedModel):
-    with ServerThread(smollm, MODEL, max_num_seqs=8) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def check_calls(calls: list, allowed: set[str]) -> None:
