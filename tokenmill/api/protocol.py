@@ -82,6 +82,14 @@ class NamedToolChoice(BaseModel):
     function: ToolChoiceFunction
 
 
+def json_or_text(text: str) -> Any:
+    """JSON text's value, or the text itself where it is not JSON (a tool call's arguments as a model wrote them)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _invalid_unicode_at(value: Any, path: str = "") -> str | None:
     """The path of the first string in a parsed JSON value that is not valid Unicode (a lone surrogate escape such as
     \\ud800 parses, but no tokenizer or template can take it), or None."""
@@ -140,6 +148,17 @@ def _choice_spec(choices: list[str], param: str) -> StructuredSpec:
     return StructuredSpec("choice", json.dumps(choices))
 
 
+def _spec(kind: str, value: Any, param: str) -> tuple[StructuredSpec, str]:
+    """One constraint by its kind (json, regex, choice, grammar, json_object), whichever field brought it."""
+    if kind == "json":
+        return _json_spec(value, param), param
+    if kind == "choice":
+        return _choice_spec(value, param), param
+    if kind == "json_object":
+        return StructuredSpec("json", '{"type": "object"}'), param
+    return StructuredSpec(kind, value), param  # type: ignore[arg-type]  # regex or grammar, as sent
+
+
 # Request fields that map one-to-one onto SamplingParams; left out (None), SamplingParams' default holds.
 _PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "ignore_eos", "min_tokens", "include_stop_str_in_output")
@@ -191,7 +210,7 @@ class SamplingFields(BaseModel):
         found: list[tuple[StructuredSpec, str]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            found.append((StructuredSpec("json", '{"type": "object"}'), "response_format"))
+            found.append(_spec("json_object", None, "response_format"))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
                 raise RequestError("response_format: type json_schema needs a json_schema", param="response_format")
@@ -199,30 +218,17 @@ class SamplingFields(BaseModel):
             found.append((_json_spec(schema, "response_format.json_schema.schema"), "response_format"))
         so = self.structured_outputs
         if so is not None:
-            given = [name for name in ("json_", "regex", "choice", "grammar", "json_object")
-                     if getattr(so, name) not in (None, False)]
+            given = [kind for kind in ("json", "regex", "choice", "grammar", "json_object")
+                     if getattr(so, "json_" if kind == "json" else kind) not in (None, False)]
             if len(given) != 1:
                 raise RequestError("structured_outputs: give exactly one of json, regex, choice, grammar, "
                                    "json_object", param="structured_outputs")
-            param = f"structured_outputs.{given[0].rstrip('_')}"
-            if so.json_ is not None:
-                found.append((_json_spec(so.json_, param), param))
-            elif so.regex is not None:
-                found.append((StructuredSpec("regex", so.regex), param))
-            elif so.choice is not None:
-                found.append((_choice_spec(so.choice, param), param))
-            elif so.grammar is not None:
-                found.append((StructuredSpec("grammar", so.grammar), param))
-            else:
-                found.append((StructuredSpec("json", '{"type": "object"}'), param))
-        if self.guided_json is not None:
-            found.append((_json_spec(self.guided_json, "guided_json"), "guided_json"))
-        if self.guided_regex is not None:
-            found.append((StructuredSpec("regex", self.guided_regex), "guided_regex"))
-        if self.guided_choice is not None:
-            found.append((_choice_spec(self.guided_choice, "guided_choice"), "guided_choice"))
-        if self.guided_grammar is not None:
-            found.append((StructuredSpec("grammar", self.guided_grammar), "guided_grammar"))
+            kind = given[0]
+            found.append(_spec(kind, getattr(so, "json_" if kind == "json" else kind), f"structured_outputs.{kind}"))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append(_spec(kind, value, f"guided_{kind}"))
         if len(found) > 1:
             fields = ", ".join(param.split(".")[0] for _, param in found)
             raise RequestError(f"give one structured-output constraint, not several ({fields})", param=found[1][1])
@@ -320,17 +326,10 @@ class ChatCompletionRequest(SamplingFields):
             message = {**m.model_dump(exclude_none=True), "content": m.text()}
             if m.tool_calls:
                 message["tool_calls"] = [{**call.model_dump(), "function": {
-                    "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                    "name": call.function.name, "arguments": json_or_text(call.function.arguments)}}
                     for call in m.tool_calls]
             out.append(message)
         return out
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 class CompletionRequest(SamplingFields):

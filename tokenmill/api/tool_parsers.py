@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from tokenmill.api.protocol import json_or_text
 from tokenmill.structured import JSON_WHITESPACE
 
 _WS = " \t\r\n"
@@ -320,10 +321,7 @@ class ToolParser:
     def _call_object(cls, call: dict[str, Any]) -> dict[str, Any]:
         arguments = call.get("arguments") or {}
         if isinstance(arguments, str):  # the API's form: JSON text (kept as a string if it is not JSON)
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass
+            arguments = json_or_text(arguments)
         return {"name": call["name"], cls._args_keys[0]: arguments}
 
     @staticmethod
