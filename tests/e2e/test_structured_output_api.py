@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -185,3 +186,20 @@ def test_a_compile_over_the_time_budget_is_a_400(tiny4k: LoadedModel) -> None:
             client.completions.create(model="tiny", prompt="a", max_tokens=2, extra_body={"guided_regex": "[a-z]+"})
         assert client.completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].finish_reason
         assert_no_live_blocks(srv.engine)
+
+
+@pytest.mark.parametrize("extra", [
+    {"guided_regex": "(a{1000}){1000}"},  # compiles at once; building its lexer takes a second, off the engine loop
+    {"guided_choice": [f"option {i}" for i in range(5000)]},
+    {"guided_json": {"enum": [f"v{i}" for i in range(20000)]}},
+])
+def test_a_hostile_constraint_is_answered_in_bounded_time_and_the_server_keeps_serving(
+        client: openai.OpenAI, server: ServerThread, extra: dict) -> None:
+    started = time.perf_counter()
+    try:
+        client.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=3, extra_body=extra)
+    except openai.BadRequestError:
+        pass  # refused is as good as answered
+    assert time.perf_counter() - started < 15
+    assert client.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=3).choices[0].message.content
+    assert_no_live_blocks(server.engine)

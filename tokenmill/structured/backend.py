@@ -94,6 +94,9 @@ class GrammarCompiler:
         except ValueError as exc:
             raise RequestError(f"{param}: {exc}", param=param) from exc
         matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=_LIMITS)
+        # The first mask builds the lexer's states, which every copy shares: build them here, off the engine loop
+        # (a regex such as (a{1000}){1000} compiles at once and takes a second over its first mask).
+        matcher.compute_bitmask()
         if matcher.is_error():
             raise RequestError(f"{param}: {matcher.get_error().strip()}", param=param)
         compiled = CompiledGrammar(matcher)
