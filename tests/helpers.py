@@ -9,6 +9,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +269,8 @@ class ServerThread:
         self.port = free_port()
         self.engine = Engine(EngineConfig(**engine_config), loaded)
         config = server_config or ServerConfig()
+        if config.responses_store is None:  # not the user's cache: a store of this server's own
+            config = replace(config, responses_store=str(Path(tempfile.mkdtemp()) / "responses.sqlite3"))
         self.state = ServingState()
         app = create_app(self.engine, model_id, None, config, self.state)
         self.server = TokenmillServer(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"),

@@ -68,5 +68,9 @@ class ServerConfig:
                                                  "compile (400 beyond)")
     tool_call_parser: str | None = option(None, "the tool-call format read from outputs: hermes, smollm2 or "
                                                 "llama3_json (default: chosen from the chat template)")
+    responses_store: str | None = option(None, "SQLite file of stored Responses (previous_response_id, GET/DELETE "
+                                               "/v1/responses/ID); default: responses.sqlite3 in tokenmill's cache "
+                                               "directory; off: store none")
+    responses_store_max: int = option(10_000, "stored Responses kept; beyond, the oldest are deleted")
     allow_request_chat_template: bool = option(False, "let requests bring their own chat_template (rendered in the "
                                                       "same sandbox)")

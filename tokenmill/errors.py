@@ -27,7 +27,11 @@ class RequestError(TokenmillError):
         self.code = code
 
 
-class ModelNotFoundError(RequestError):
+class NotFoundError(RequestError):
+    """The request names something this server does not have (a model, a stored response)."""
+
+
+class ModelNotFoundError(NotFoundError):
     """The request names a model this server does not serve."""
 
 

@@ -185,8 +185,9 @@ def test_body_size_and_nesting_are_accepted_at_their_limit_and_refused_one_past_
         body = json.dumps(chat()).encode()
         return body + b" " * (size - len(body))  # whitespace after the value: still valid JSON
 
-    def nested(depth: int) -> bytes:
-        return json.dumps({**chat(), "metadata": json.loads("[" * (depth - 1) + "]" * (depth - 1))}).encode()
+    def nested(depth: int) -> bytes:  # lists in a message's own field (messages pass extra fields to templates)
+        message = {**HI[0], "nest": json.loads("[" * (depth - 3) + "]" * (depth - 3))}
+        return json.dumps(chat(messages=[message])).encode()
 
     for body, status in ((padded(LIMITS.max_request_bytes), 200), (padded(LIMITS.max_request_bytes + 1), 413),
                          (nested(LIMITS.max_json_depth), 200), (nested(LIMITS.max_json_depth + 1), 400)):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -14,11 +15,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from tokenmill.api.engine_client import EngineClient
 from tokenmill.api.errors import install_error_handlers
 from tokenmill.api.guards import RequestGuard, ServingState
+from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.routes import Serving, router
 from tokenmill.api.tool_parsers import choose_parser
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError
+from tokenmill.loader.sources import cache_dir
 
 
 def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None, config: ServerConfig | None = None,
@@ -31,16 +34,22 @@ def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None, c
     except ValueError as exc:
         raise ConfigError(f"--tool-call-parser: {exc}") from exc
 
+    store = None if config.responses_store == "off" else ResponseStore(
+        Path(config.responses_store) if config.responses_store else cache_dir() / "responses.sqlite3",
+        config.responses_store_max)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if not engine.alive:
             engine.start()
         yield
         engine.stop()
+        if store is not None:
+            store.close()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.state.serving = Serving(engine, EngineClient(engine), model_id, {model_id, *(aliases or set())}, config,
-                                state)
+                                state, store)
     app.add_middleware(RequestGuard, state=state, api_keys=config.api_key, max_body_bytes=config.max_request_bytes,
                        max_json_depth=config.max_json_depth)
     if config.allowed_origins:  # outermost, so preflight requests are answered before the API key is asked

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.errors import (
     EngineError,
     EngineUnavailableError,
-    ModelNotFoundError,
+    NotFoundError,
     RequestError,
     ServerBusyError,
     TokenmillError,
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # Domain error -> (HTTP status, OpenAI error type, headers); the most specific class first.
 _HTTP: list[tuple[type[TokenmillError], int, str, dict[str, str] | None]] = [
-    (ModelNotFoundError, 404, "not_found_error", None),
+    (NotFoundError, 404, "not_found_error", None),
     (RequestError, 400, "invalid_request_error", None),
     (ServerBusyError, 429, "rate_limit_error", {"Retry-After": "1"}),
     (EngineUnavailableError, 503, "service_unavailable", None),

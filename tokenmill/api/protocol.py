@@ -2,7 +2,11 @@
 
 Fields OpenAI defines keep OpenAI's names and defaults; vLLM's extensions (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output, structured_outputs and the older guided_*) are
-accepted too. Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients keep working.
+accepted too.
+
+Nothing is dropped without a word: every field of a request model is implemented, accepted with no effect
+(`no_effect`: it changes nothing here, e.g. `user`), or refused unless left at its default (`refused`: a 400 naming
+it); a field no model declares is refused too. The README's "Request fields" table lists the second and third kinds.
 """
 
 from __future__ import annotations
@@ -19,9 +23,44 @@ from tokenmill.structured import StructuredSpec
 
 INT32_MAX = 2**31 - 1
 
+_EFFECT = "x-tokenmill-effect"  # in a field's JSON schema (so /docs shows it): "none" or "refused"
 
-class StreamOptions(BaseModel):
+
+def no_effect(default: Any = None, *, why: str, **kwargs: Any) -> Any:
+    """A field accepted and ignored: what it asks for changes nothing on this server."""
+    return Field(default, json_schema_extra={_EFFECT: "none", "x-tokenmill-why": why}, **kwargs)
+
+
+def refused(default: Any = None, *, why: str, **kwargs: Any) -> Any:
+    """A field not implemented: a request that sets it to anything but its default gets a 400 naming it."""
+    return Field(default, json_schema_extra={_EFFECT: "refused", "x-tokenmill-why": why}, **kwargs)
+
+
+def field_effect(model: type[BaseModel], name: str) -> tuple[str, str | None]:
+    """("implemented" | "no_effect" | "refused", why) of one field of a request model."""
+    extra = model.model_fields[name].json_schema_extra
+    if not isinstance(extra, dict) or _EFFECT not in extra:
+        return "implemented", None
+    return ("no_effect" if extra[_EFFECT] == "none" else "refused"), str(extra["x-tokenmill-why"])
+
+
+class RequestModel(BaseModel):
+    """The base of every request body: unknown fields and refused fields set to a value are 400s."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self) -> RequestModel:
+        fields = type(self).model_fields
+        for name in self.model_fields_set:
+            effect, why = field_effect(type(self), name)
+            if effect == "refused" and getattr(self, name) != fields[name].default:
+                raise RequestError(f"{name} is not supported by this server: {why}", param=name)
+        return self
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = no_effect(why="stream events are not padded: nothing to obfuscate")
 
 
 class TextPart(BaseModel):
@@ -61,23 +100,23 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(RequestModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
     strict: bool | None = None  # a forced call always follows the schema
 
 
-class Tool(BaseModel):
+class Tool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ToolChoiceFunction(BaseModel):
+class ToolChoiceFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: ToolChoiceFunction
 
@@ -109,21 +148,20 @@ def _invalid_unicode_at(value: Any, path: str = "") -> str | None:
     return None
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestModel):
     name: str = Field(max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the schema is always enforced
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(BaseModel):
-    """vLLM's structured_outputs: exactly one of its fields."""
-    model_config = ConfigDict(extra="forbid")  # whitespace_pattern, structural_tag...: refused, not dropped
+class StructuredOutputs(RequestModel):
+    """vLLM's structured_outputs: exactly one of its fields (whitespace_pattern, structural_tag...: refused)."""
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -164,10 +202,9 @@ _PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "repetition_penalty", "seed", "ignore_eos", "min_tokens", "include_stop_str_in_output")
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Ranges are checked here, once, so the OpenAPI schema states them; the defaults are SamplingParams'. The
     server's configurable limits are checked in _sampling_params, what needs the vocabulary at admission."""
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -180,7 +217,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    user: str | None = None
+    user: str | None = no_effect(why="an end-user id for OpenAI's abuse monitoring; nothing is logged per user")
     # vLLM extensions
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -273,6 +310,22 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    modalities: list[Literal["text"]] | None = None  # text is what this server makes
+    store: bool | None = no_effect(why="chat completions are not stored (the Responses API stores)")
+    metadata: dict[str, str] | None = no_effect(why="kept with stored completions, and none are stored")
+    service_tier: str | None = no_effect(why="one tier: every request is served alike")
+    prompt_cache_key: str | None = no_effect(why="prefix caching is automatic, keyed by the prompt's tokens")
+    prompt_cache_retention: str | None = no_effect(why="the prefix cache keeps prompts until memory is needed")
+    prompt_cache_options: dict[str, Any] | None = no_effect(why="as prompt_cache_key")
+    safety_identifier: str | None = no_effect(why="as user")
+    reasoning_effort: str | None = refused(why="the served model's reasoning is not configurable")
+    verbosity: str | None = refused(why="answer length is not steerable beyond max_completion_tokens")
+    audio: dict[str, Any] | None = refused(why="text only")
+    prediction: dict[str, Any] | None = refused(why="predicted outputs are not implemented")
+    web_search_options: dict[str, Any] | None = refused(why="this server has no web search")
+    moderation: dict[str, Any] | None = refused(why="this server has no moderation")
+    functions: list[dict[str, Any]] | None = refused(why="the deprecated functions field: send tools")
+    function_call: str | dict[str, Any] | None = refused(why="the deprecated function_call field: send tool_choice")
 
     def sampling_params(self, limits: ServerConfig) -> SamplingParams:
         if not self.messages:
@@ -337,12 +390,10 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = refused(why="fill-in-the-middle prompts are not implemented")
     best_of: int | None = Field(default=None, ge=1)
 
     def sampling_params(self, limits: ServerConfig) -> SamplingParams:
-        if self.suffix:
-            raise RequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of is supported only equal to n", param="best_of")
         if self.echo and self.stream:

@@ -18,13 +18,15 @@ from tokenmill.api.engine_client import EngineClient, RequestStream, collect, me
 from tokenmill.api.errors import error_response
 from tokenmill.api.guards import ServingState
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.api.response_store import ResponseStore
+from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
 from tokenmill.api.sse import sse_done, sse_event
 from tokenmill.api.tool_parsers import ToolParser, choose_parser
 from tokenmill.api.tools import forced_call_spec, template_inputs
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
-from tokenmill.errors import ModelFormatError, ModelNotFoundError, RequestError
+from tokenmill.errors import ModelFormatError, ModelNotFoundError, NotFoundError, RequestError
 from tokenmill.loader.chat_template import ChatTemplate
 from tokenmill.structured import StructuredSpec
 from tokenmill.structured.backend import CompiledGrammar
@@ -42,6 +44,7 @@ class Serving:
     accepted_names: set[str]  # model_id and its aliases: what requests may name
     config: ServerConfig
     state: ServingState
+    responses: ResponseStore | None  # stored Responses (None: --responses-store off)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -69,13 +72,22 @@ async def metrics(request: Request) -> Response:
     return Response(_serving(request).engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _model_card(serving: Serving) -> dict[str, Any]:
+    return {"id": serving.model_id, "object": "model", "created": serving.created, "owned_by": "tokenmill",
+            "max_model_len": serving.engine.max_model_len}
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(_serving(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict:
+    """The model by its id or an alias (ids may hold slashes, like Hugging Face names)."""
     serving = _serving(request)
-    return {"object": "list", "data": [{
-        "id": serving.model_id, "object": "model", "created": serving.created, "owned_by": "tokenmill",
-        "max_model_len": serving.engine.max_model_len,
-    }]}
+    _check_model(serving, model_id)
+    return _model_card(serving)
 
 
 async def _grammar(serving: Serving, found: tuple[StructuredSpec, str] | None) -> CompiledGrammar | None:
@@ -111,29 +123,101 @@ def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> tuple[list[in
     return engine.tokenizer.encode_chat(prompt, [m["content"] for m in messages]), parser
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    serving = _serving(request)
-    _check_model(serving, body.model)
+async def _submit_chat(serving: Serving, body: ChatCompletionRequest
+                       ) -> tuple[list[RequestStream], int, type[ToolParser] | None]:
+    """Render, tokenize, compile the request's constraint and submit it: its streams, its prompt's length, and the
+    parser that reads tool calls from its outputs (None: the request has no tools)."""
     params = body.sampling_params(serving.config)
     prompt_ids, parser = await asyncio.to_thread(_chat_prompt, serving, body)
     forced = forced_call_spec(body, parser)
     grammar = await _grammar(serving, (forced, "tools") if forced else body.structured_spec())
-    tk = serving.engine.tokenizer
     tool_parser = parser if body.uses_tools else None
     if tool_parser is not None:
+        tk = serving.engine.tokenizer
         params = replace(params, shown_special_token_ids=tk.special_token_ids(parser.delimiters))
     streams = serving.client.submit([prompt_ids], params, body.n, prompt_param="messages", grammar=grammar)
+    return streams, len(prompt_ids), tool_parser
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    serving = _serving(request)
+    _check_model(serving, body.model)
+    streams, prompt_tokens, tool_parser = await _submit_chat(serving, body)
+    tk = serving.engine.tokenizer
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = responses.chat_chunks(request_id, serving.model_id, len(prompt_ids), include_usage, body.n, tk,
+        chunks = responses.chat_chunks(request_id, serving.model_id, prompt_tokens, include_usage, body.n, tk,
                                        merge(streams), tool_parser)
         return _sse_response(chunks, streams)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
         return Response(status_code=499)  # nobody is there to read it
-    return responses.chat_completion(request_id, serving.model_id, len(prompt_ids), results, tk, tool_parser)
+    return responses.chat_completion(request_id, serving.model_id, prompt_tokens, results, tk, tool_parser)
+
+
+# A Responses request runs as a chat request: errors name the Responses field the chat field came from.
+_RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens":
+                     "max_output_tokens", "response_format": "text.format"}
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Any:
+    serving = _serving(request)
+    _check_model(serving, body.model)
+    store = serving.responses
+    if store is None and body.previous_response_id is not None:
+        raise RequestError("this server stores no responses (--responses-store off)", param="previous_response_id")
+    history = [] if body.previous_response_id is None or store is None else await asyncio.to_thread(
+        store.conversation, body.previous_response_id)
+    items = body.input_items()
+    try:
+        streams, prompt_tokens, tool_parser = await _submit_chat(serving, body.chat_request(history + items))
+    except RequestError as exc:
+        exc.param = _RESPONSES_PARAMS.get(exc.param or "", exc.param)
+        raise
+    builder = ResponseBuilder(body, serving.model_id, prompt_tokens)
+
+    async def save(response: dict[str, Any]) -> None:
+        if store is not None and body.store and response["status"] in ("completed", "incomplete"):
+            await asyncio.to_thread(store.put, response, items)
+
+    if body.stream:
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            async for event in response_events(builder, merge(streams), tool_parser):
+                if event["type"] in ("response.completed", "response.incomplete"):
+                    await save(event["response"])
+                yield event
+        return _sse_response(events(), streams, done=False)
+    results = await _collect_unless_disconnected(request, streams)
+    if results is None:
+        return Response(status_code=499)
+    response = response_object(builder, results[0], tool_parser)
+    await save(response)
+    return response
+
+
+def _stored(serving: Serving, response_id: str) -> ResponseStore:
+    if serving.responses is None:
+        raise NotFoundError(f"Response with id '{response_id}' not found (this server stores no responses).",
+                            param="response_id")
+    return serving.responses
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    found = await asyncio.to_thread(_stored(_serving(request), response_id).get, response_id)
+    if found is None:
+        raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
+    return found
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    if not await asyncio.to_thread(_stored(_serving(request), response_id).delete, response_id):
+        raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
 @router.post("/v1/completions")
@@ -182,12 +266,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _sse_response(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> StreamingResponse:
+def _sse_response(chunks: AsyncIterator[dict], streams: list[RequestStream], done: bool = True) -> StreamingResponse:
+    """Chat and completions chunks end with [DONE] (done); Responses events are named and end with their last."""
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield sse_event(chunk)
-            yield sse_done()
+                yield sse_event(chunk, None if done else chunk["type"])
+            if done:
+                yield sse_done()
         finally:
             # A client that went away mid-stream cancels this generator: free its sequences now.
             for s in streams:

@@ -1,0 +1,47 @@
+"""The Responses store: rows survive reopening the file, the oldest go beyond the bound, and a conversation is
+rebuilt along its chain of previous responses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenmill.api.response_store import ResponseStore
+from tokenmill.errors import RequestError
+
+
+def response(rid: str, previous: str | None, text: str) -> dict:
+    return {"id": rid, "object": "response", "previous_response_id": previous,
+            "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]}
+
+
+def user(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": text}
+
+
+def test_a_conversation_is_rebuilt_along_its_chain_after_the_file_is_reopened(tmp_path: Path) -> None:
+    store = ResponseStore(tmp_path / "r.sqlite3", max_responses=10)
+    store.put(response("r1", None, "one"), [user("a")])
+    store.put(response("r2", "r1", "two"), [user("b")])
+    store.put(response("other", None, "x"), [user("z")])
+    store.close()
+    reopened = ResponseStore(tmp_path / "r.sqlite3", max_responses=10)
+    items = reopened.conversation("r2")
+    assert [i.get("content") if i["role"] == "user" else i["content"][0]["text"] for i in items] == \
+        ["a", "one", "b", "two"]
+    assert reopened.get("r2") == response("r2", "r1", "two")
+    assert reopened.delete("r2") and not reopened.delete("r2") and reopened.get("r2") is None
+
+
+def test_the_oldest_responses_go_beyond_the_bound_and_a_chain_through_them_says_so(tmp_path: Path) -> None:
+    store = ResponseStore(tmp_path / "r.sqlite3", max_responses=2)
+    store.put(response("r1", None, "one"), [user("a")])
+    store.put(response("r2", "r1", "two"), [user("b")])
+    store.put(response("r3", "r2", "three"), [user("c")])
+    assert store.get("r1") is None and store.get("r2") is not None and store.get("r3") is not None
+    with pytest.raises(RequestError, match="continues r1, which is no longer stored") as raised:
+        store.conversation("r3")
+    assert raised.value.param == "previous_response_id"
+    with pytest.raises(RequestError, match="'r1' not found"):
+        store.conversation("r1")

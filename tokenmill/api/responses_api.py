@@ -1,0 +1,361 @@
+"""OpenAI's Responses API: its request, its translation into a chat request (so it runs the chat path: template,
+tools, structured output, the same engine submit), and the Response object and stream events made from the
+engine's outputs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+
+from tokenmill.api.protocol import ChatCompletionRequest, RequestModel, no_effect, refused
+from tokenmill.api.tool_parsers import ToolCall, ToolCallDelta, ToolParser, parse_tool_calls
+from tokenmill.engine.request import SequenceOutput
+from tokenmill.errors import RequestError
+
+
+class ResponseFunctionTool(RequestModel):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # a forced call always follows the schema
+
+
+class ResponseToolChoiceFunction(RequestModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class TextConfig(RequestModel):
+    format: TextFormat | None = None
+    verbosity: str | None = refused(why="answer length is not steerable beyond max_output_tokens")
+
+
+class ResponseStreamOptions(RequestModel):
+    include_obfuscation: bool | None = no_effect(why="stream events are not padded: nothing to obfuscate")
+
+
+class ResponsesRequest(RequestModel):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    stream_options: ResponseStreamOptions | None = None
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None  # kept on the response object
+    truncation: Literal["disabled"] | None = None  # an input longer than the context is a 400
+    include: list[str] | None = None  # nothing extra to include: only an empty list
+    user: str | None = no_effect(why="an end-user id for OpenAI's abuse monitoring; nothing is logged per user")
+    safety_identifier: str | None = no_effect(why="as user")
+    service_tier: str | None = no_effect(why="one tier: every request is served alike")
+    prompt_cache_key: str | None = no_effect(why="prefix caching is automatic, keyed by the prompt's tokens")
+    prompt_cache_retention: str | None = no_effect(why="the prefix cache keeps prompts until memory is needed")
+    prompt_cache_options: dict[str, Any] | None = no_effect(why="as prompt_cache_key")
+    reasoning: dict[str, Any] | None = refused(why="the served model's reasoning is not configurable")
+    top_logprobs: int | None = refused(why="logprobs are served by /v1/chat/completions")
+    background: bool | None = refused(why="responses run while the request waits; there is no background mode")
+    background_options: dict[str, Any] | None = refused(why="as background")
+    conversation: str | dict[str, Any] | None = refused(why="no Conversations API: use previous_response_id")
+    context_management: list[dict[str, Any]] | None = refused(why="the context is not compacted")
+    max_tool_calls: int | None = refused(why="built-in tools are not implemented")
+    prompt: dict[str, Any] | None = refused(why="no stored prompt templates")
+    image: dict[str, Any] | None = refused(why="text only")
+    moderation: dict[str, Any] | None = refused(why="this server has no moderation")
+    access_programs: dict[str, Any] | None = refused(why="not applicable to a self-hosted server")
+    cyber: str | None = refused(why="not applicable to a self-hosted server")
+
+    @field_validator("include")
+    @classmethod
+    def _nothing_to_include(cls, include: list[str] | None) -> list[str] | None:
+        if include:
+            raise RequestError(f"include: {include[0]!r} is not supported (nothing extra can be included)",
+                               param="include")
+        return include
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The input as a list of items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return self.input
+
+    def chat_request(self, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """This request, over the whole conversation's items, as the chat request that runs it."""
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + \
+            _messages(items)
+        fields: dict[str, Any] = {
+            "model": self.model, "messages": messages, "stream": self.stream,
+            "temperature": self.temperature, "top_p": self.top_p, "max_completion_tokens": self.max_output_tokens,
+        }
+        if self.tools:
+            fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                               for t in self.tools]
+        choice = self.tool_choice
+        if choice is not None:
+            fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                             "function": {"name": choice.name}}
+        if self.parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = self.parallel_tool_calls
+        fmt = self.text.format if self.text else None
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.name is None:
+                raise RequestError("text.format: a json_schema format needs a name", param="text.format.name")
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}}
+        elif fmt is not None:
+            fields["response_format"] = {"type": fmt.type}
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise RequestError(f"input: {exc.errors()[0]['msg']}", param="input") from exc
+
+
+# --- input items -> chat messages --------------------------------------------------------------------------------
+
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+
+
+def _text(content: Any, at: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{at}: content must be a string or a list of text parts", param=at)
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise RequestError(f"{at}[{i}]: content parts of type {kind!r} are not supported; send text",
+                               param=f"{at}[{i}]")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses input items as chat messages: a function_call joins the assistant turn before it (or starts one),
+    a function_call_output is a tool message."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        at = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{at}: an input item must be an object", param=at)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise RequestError(f"{at}.role: must be user, assistant, system or developer", param=f"{at}.role")
+            messages.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+        elif kind == "function_call":
+            call = {"id": _required(item, "call_id", at), "type": "function",
+                    "function": {"name": _required(item, "name", at), "arguments": _required(item, "arguments", at)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _required(item, "call_id", at),
+                             "content": _text(item.get("output"), f"{at}.output")})
+        else:
+            raise RequestError(f"{at}: input items of type {kind!r} are not supported (message, function_call and "
+                               f"function_call_output are)", param=f"{at}.type")
+    return messages
+
+
+def _required(item: dict[str, Any], key: str, at: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise RequestError(f"{at}.{key}: a string is required", param=f"{at}.{key}")
+    return value
+
+
+# --- engine outputs -> the Response object and its events -----------------------------------------------------
+
+
+def _message_item(text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [_text_part(text)]}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(call: ToolCall, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
+            "name": call.name, "arguments": call.arguments, "status": status}
+
+
+class ResponseBuilder:
+    """The Response object of one request, as it stands; `finish` completes it from the sequence's end."""
+
+    def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int) -> None:
+        self.body = body
+        self.response: dict[str, Any] = {
+            "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "model": model, "output": [],
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": body.store, "temperature": body.temperature if body.temperature is not None else 1.0,
+            "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
+                                if body.text and body.text.format else {"type": "text"})},
+            "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
+                            else body.tool_choice.model_dump()) or "auto",
+            "tools": [{**t.model_dump(exclude_none=True), "strict": t.strict is not False} for t in body.tools or []],
+            "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled", "usage": None,
+            "user": body.user, "metadata": body.metadata or {},
+        }
+        self.prompt_tokens = prompt_tokens
+
+    def finish(self, out: SequenceOutput) -> dict[str, Any]:
+        r = self.response
+        if out.finish_reason == "error":
+            r["status"] = "failed"
+            r["error"] = {"code": "server_error", "message": out.error or "internal error while running the model"}
+        elif out.finish_reason == "length":
+            r["status"] = "incomplete"
+            r["incomplete_details"] = {"reason": "max_output_tokens"}
+        elif out.finish_reason == "abort":
+            r["status"] = "cancelled"
+        else:
+            r["status"] = "completed"
+        r["usage"] = {"input_tokens": self.prompt_tokens,
+                      "input_tokens_details": {"cached_tokens": out.cached_tokens},
+                      "output_tokens": out.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.prompt_tokens + out.completion_tokens}
+        return r
+
+
+def response_object(builder: ResponseBuilder, outs: list[SequenceOutput],
+                    tool_parser: type[ToolParser] | None) -> dict[str, Any]:
+    """The whole Response of a request that was not streamed."""
+    text = "".join(o.text for o in outs)
+    content, calls = parse_tool_calls(tool_parser, text) if tool_parser else (text, [])
+    content = content or ""
+    status = "completed" if outs[-1].finish_reason == "stop" else "incomplete"
+    output = [_message_item(content, status)] if content or not calls else []
+    output += [_call_item(call, "completed") for call in calls]
+    builder.response["output"] = output
+    return builder.finish(outs[-1])
+
+
+class _Events:
+    """The event sequence of one streamed Response, as output items open, grow and close."""
+
+    def __init__(self, response: dict[str, Any]) -> None:
+        self.response = response
+        self.sequence_number = 0
+        self.message: dict[str, Any] | None = None  # the open message item, while text streams into it
+        self.message_text = ""
+        self.calls: dict[int, dict[str, Any]] = {}  # a parser's call index -> its open item
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence_number += 1
+        return {"type": kind, "sequence_number": self.sequence_number - 1, **fields}
+
+    def _index(self, item: dict[str, Any]) -> int:
+        return next(i for i, x in enumerate(self.response["output"]) if x is item)
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self.message is None:
+            self.message, self.message_text = {**_message_item("", "in_progress"), "content": []}, ""
+            self.response["output"].append(self.message)
+            index = self._index(self.message)
+            events += [self.event("response.output_item.added", output_index=index, item=dict(self.message)),
+                       self.event("response.content_part.added", item_id=self.message["id"], output_index=index,
+                                  content_index=0, part=_text_part(""))]
+        self.message_text += text
+        return events + [self.event("response.output_text.delta", item_id=self.message["id"],
+                                    output_index=self._index(self.message), content_index=0, delta=text, logprobs=[])]
+
+    def close_text(self) -> list[dict[str, Any]]:
+        message, text = self.message, self.message_text
+        if message is None:
+            return []
+        self.message = None
+        index = self._index(message)
+        message.update(status="completed", content=[_text_part(text)])
+        return [self.event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
+                           text=text, logprobs=[]),
+                self.event("response.content_part.done", item_id=message["id"], output_index=index,
+                           content_index=0, part=_text_part(text)),
+                self.event("response.output_item.done", output_index=index, item=dict(message))]
+
+    def call(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
+        events = []
+        if delta.name is not None:  # a new call: the text before it is done
+            events += self.close_text()
+            item = _call_item(ToolCall(delta.name, ""), "in_progress")
+            self.calls[delta.index] = item
+            self.response["output"].append(item)
+            events.append(self.event("response.output_item.added", output_index=self._index(item), item=dict(item)))
+        item = self.calls[delta.index]
+        if delta.arguments:
+            item["arguments"] += delta.arguments
+            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                     output_index=self._index(item), delta=delta.arguments))
+        return events
+
+    def close_all(self) -> list[dict[str, Any]]:
+        events = self.close_text()
+        for item in self.calls.values():
+            item["status"] = "completed"
+            index = self._index(item)
+            events += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=item["name"], arguments=item["arguments"]),
+                       self.event("response.output_item.done", output_index=index, item=dict(item))]
+        self.calls = {}
+        return events
+
+
+async def response_events(builder: ResponseBuilder, outputs: AsyncIterator[tuple[int, SequenceOutput]],
+                          tool_parser: type[ToolParser] | None) -> AsyncIterator[dict[str, Any]]:
+    """OpenAI's Responses stream: created, in_progress, for each output item its added / delta / done events, then
+    completed (or incomplete, failed). Every event carries its sequence_number."""
+    r = builder.response
+    events = _Events(r)
+    yield events.event("response.created", response=dict(r))
+    yield events.event("response.in_progress", response=dict(r))
+    parser = tool_parser() if tool_parser else None
+    last: SequenceOutput | None = None
+    async for _, out in outputs:
+        last = out
+        if out.finish_reason == "error":
+            break
+        pieces: list[tuple[str, list[ToolCallDelta]]] = [(out.text, [])]
+        if parser is not None:
+            parsed = [parser.feed(out.text)] + ([parser.finish()] if out.finish_reason is not None else [])
+            pieces = [(p.content, p.calls) for p in parsed]
+        for content, deltas in pieces:
+            for e in (events.text(content) if content else []) + [e for d in deltas for e in events.call(d)]:
+                yield e
+    if last is None:
+        return
+    if not r["output"] and last.finish_reason != "error":  # an empty answer is still a message
+        for e in events.text(""):
+            yield e
+    for e in events.close_all():
+        yield e
+    builder.finish(last)
+    kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(r["status"], "response.failed")
+    yield events.event(kind, response=r)
