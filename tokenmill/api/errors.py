@@ -26,15 +26,15 @@ _HTTP: list[tuple[type[TokenmillError], int, str, dict[str, str] | None]] = [
     (RequestError, 400, "invalid_request_error", None),
     (ServerBusyError, 429, "rate_limit_error", {"Retry-After": "1"}),
     (EngineUnavailableError, 503, "service_unavailable", None),
-    (EngineError, 500, "internal_error", None),
+    (EngineError, 500, "server_error", None),
 ]
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | int | None = None,
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
@@ -53,7 +53,7 @@ def domain_error_response(exc: TokenmillError) -> JSONResponse:
         return error_response(status, exc.message, type_, exc.param, exc.code, headers)
     if isinstance(exc, ServerBusyError):
         return error_response(status, str(exc), type_, code="server_busy", headers=headers)
-    return error_response(status, str(exc), type_, code=500 if status == 500 else None, headers=headers)
+    return error_response(status, str(exc), type_, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -80,4 +80,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(500, "internal server error", "internal_error")
+        return error_response(500, "internal server error", "server_error")

@@ -89,7 +89,7 @@ def chat_completion(request_id: str, model: str, prompt_tokens: int, results: li
         choices.append({
             "index": index,
             "message": message,
-            "logprobs": {"content": chat_logprobs(tk, logprobs)} if logprobs else None,
+            "logprobs": {"content": chat_logprobs(tk, logprobs), "refusal": None} if logprobs else None,
             "finish_reason": _finish_reason(finish, bool(calls)),
         })
     cached = results[0][-1].cached_tokens
@@ -128,7 +128,7 @@ def _chunker(request_id: str, object_: str, model: str,
 
 
 def _stream_error(out: SequenceOutput) -> dict[str, Any]:
-    return error_body(out.error or "internal error", "internal_error", code=500)
+    return error_body(out.error or "internal error", "server_error")
 
 
 def _tool_call_delta(delta: ToolCallDelta, call_ids: dict[int, str]) -> dict[str, Any]:
@@ -167,7 +167,7 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
             parsed = [parser.feed(out.text)] + ([parser.finish()] if out.finish_reason is not None else [])
             content, calls = "".join(p.content for p in parsed), [d for p in parsed for d in p.calls]
         if content or out.logprobs:
-            logprobs = {"content": chat_logprobs(tk, out.logprobs)} if out.logprobs else None
+            logprobs = {"content": chat_logprobs(tk, out.logprobs), "refusal": None} if out.logprobs else None
             yield chunk([{"index": index, "delta": {"content": content}, "logprobs": logprobs,
                           "finish_reason": None}])
         for delta in calls:

@@ -221,9 +221,11 @@ class ResponseBuilder:
             "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
                             else body.tool_choice.model_dump()) or "auto",
             "tools": [{**t.model_dump(exclude_none=True), "strict": t.strict is not False} for t in body.tools or []],
-            "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled", "usage": None,
-            "user": body.user, "metadata": body.metadata or {},
+            "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
+            "metadata": body.metadata or {},
         }
+        if body.user is not None:
+            self.response["user"] = body.user
         self.prompt_tokens = prompt_tokens
 
     def finish(self, out: SequenceOutput) -> dict[str, Any]:
@@ -239,7 +241,9 @@ class ResponseBuilder:
         else:
             r["status"] = "completed"
         r["usage"] = {"input_tokens": self.prompt_tokens,
-                      "input_tokens_details": {"cached_tokens": out.cached_tokens},
+                      # every prompt token computed here is offered to the prefix cache
+                      "input_tokens_details": {"cached_tokens": out.cached_tokens,
+                                               "cache_write_tokens": self.prompt_tokens - out.cached_tokens},
                       "output_tokens": out.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": self.prompt_tokens + out.completion_tokens}
         return r
