@@ -33,6 +33,9 @@ class EngineConfig:
     max_queued_requests: int = option(256, "sequences that may wait for a slot; beyond, requests get 429 with "
                                            "Retry-After")
     seed: int = option(0, "seed of the sampler for requests that give none")
+    pooling: str = option("last", "/v1/embeddings: the prompt's final hidden states pooled as last (the last "
+                                  "token's, for decoder embedding models such as Qwen3-Embedding) or mean; "
+                                  "L2-normalized")
     threads: int | None = option(None, "CPU threads for the model (default: torch's choice)")
     prepack_weights: bool = option(True, "on CPU, reorder the weights once at load into oneDNN's blocked layout "
                                          "(matmuls 1.1-3.7x faster, measured)")
@@ -61,6 +64,7 @@ class ServerConfig:
     max_seqs_per_request: int = option(16, "sequences one request may ask for: n, times the prompts of a completion")
     max_messages: int = option(1024, "messages of one chat request")
     max_stop: int = option(16, "stop strings of one request")
+    max_embedding_inputs: int = option(256, "inputs of one /v1/embeddings request")
     max_logit_bias: int = option(1024, "logit_bias entries of one request")
     chat_template_timeout: float = option(2.0, "seconds a chat template may take to render one request")
     chat_template_max_chars: int = option(8 * 2**20, "characters a chat template may render for one request")

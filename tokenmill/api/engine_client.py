@@ -43,10 +43,11 @@ class EngineClient:
         self.engine = engine
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1, prompt_param: str = "prompt",
-               grammar: CompiledGrammar | None = None) -> list[RequestStream]:
+               grammar: CompiledGrammar | None = None, embed: bool = False) -> list[RequestStream]:
         """n sequences per prompt, all or none; call from the event loop. A seeded request gives choice i the
         seed + i, so choices differ but repeat. prompt_param names the prompt's field in errors; grammar: what every
-        sequence's text must match (each follows it on its own)."""
+        sequence's text must match (each follows it on its own); embed: each prompt's pooled hidden state is its
+        one output (see Engine.add)."""
         self._check_capacity(len(prompts) * n)
         admitted = [(ids, self._admit(ids, params, prompt_param)) for ids in prompts]  # every check before any add
         streams = []
@@ -54,7 +55,7 @@ class EngineClient:
             for i in range(n):
                 p = resolved if resolved.seed is None or i == 0 else replace(resolved, seed=resolved.seed + i)
                 stream = RequestStream(self.engine)
-                stream.seq_id = self.engine.add(prompt_ids, p, stream.put, grammar.new() if grammar else None)
+                stream.seq_id = self.engine.add(prompt_ids, p, stream.put, grammar.new() if grammar else None, embed)
                 streams.append(stream)
         return streams
 

@@ -385,6 +385,29 @@ class ChatCompletionRequest(SamplingFields):
         return out
 
 
+class EmbeddingRequest(RequestModel):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)  # only the model's own: no truncation of its vectors
+    user: str | None = no_effect(why="an end-user id for OpenAI's abuse monitoring; nothing is logged per user")
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input's four shapes as a list of inputs, each text or token ids; none empty."""
+        given = self.input
+        inputs: list[str | list[int]]
+        if isinstance(given, str) or (given and all(isinstance(x, int) for x in given)):
+            inputs = [given]  # type: ignore[list-item]
+        else:
+            inputs = list(given)  # type: ignore[arg-type]
+        if not inputs:
+            raise RequestError("input must not be empty", param="input")
+        for i, one in enumerate(inputs):
+            if len(one) == 0:
+                raise RequestError(f"input[{i}] is empty", param="input")
+        return inputs
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -111,6 +113,16 @@ def completion(request_id: str, model: str, prompt_tokens: int, results: list[li
     cached = _cached({i: outs[-1].cached_tokens for i, outs in enumerate(results)}, n)
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
+
+
+def embeddings(model: str, vectors: list[list[float]], prompt_tokens: int, encoding: str) -> dict[str, Any]:
+    """base64: each vector's little-endian float32 bytes, as OpenAI sends them."""
+    def encoded(vector: list[float]) -> list[float] | str:
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode() if encoding == "base64" else vector
+
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 def _chunker(request_id: str, object_: str, model: str,

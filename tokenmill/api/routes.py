@@ -17,7 +17,7 @@ from tokenmill.api import responses
 from tokenmill.api.engine_client import EngineClient, RequestStream, collect, merge
 from tokenmill.api.errors import error_response
 from tokenmill.api.guards import ServingState
-from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
 from tokenmill.api.sse import sse_done, sse_event
@@ -28,6 +28,7 @@ from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import ModelFormatError, ModelNotFoundError, NotFoundError, RequestError
 from tokenmill.loader.chat_template import ChatTemplate
+from tokenmill.sampling import SamplingParams
 from tokenmill.structured import StructuredSpec
 from tokenmill.structured.backend import CompiledGrammar
 
@@ -243,6 +244,30 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         return Response(status_code=499)
     echoes = [tk.decode(p) if body.echo else "" for p in prompts for _ in range(body.n)]
     return responses.completion(request_id, serving.model_id, prompt_tokens, results, echoes, body.n, tk)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+    """Each input's prompt runs through the engine like any prefill, batched with what else runs; its final hidden
+    states, pooled (--pooling) and L2-normalized, are the embedding."""
+    serving = _serving(request)
+    _check_model(serving, body.model)
+    engine = serving.engine
+    inputs = body.inputs()
+    if len(inputs) > serving.config.max_embedding_inputs:
+        raise RequestError(f"at most {serving.config.max_embedding_inputs} inputs are allowed", param="input")
+    size = engine.hidden_size
+    if body.dimensions is not None and body.dimensions != size:
+        raise RequestError(f"dimensions: this model's embeddings have {size}", param="dimensions")
+    prompts = await asyncio.to_thread(lambda: [engine.tokenizer.encode(x) if isinstance(x, str) else x
+                                               for x in inputs])
+    streams = serving.client.submit(prompts, SamplingParams(max_tokens=1), prompt_param="input", embed=True)
+    results = await _collect_unless_disconnected(request, streams)
+    if results is None:
+        return Response(status_code=499)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return responses.embeddings(serving.model_id, [outs[-1].embedding or [] for outs in results], prompt_tokens,
+                                body.encoding_format)
 
 
 async def _collect_unless_disconnected(request: Request, streams: list[RequestStream]

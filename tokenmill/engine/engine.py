@@ -61,6 +61,8 @@ class Engine:
 
     def _setup(self) -> None:
         c = self.config
+        if c.pooling not in ("last", "mean"):
+            raise ConfigError(f"--pooling {c.pooling}: use last or mean")
         if self.loaded is None:
             if c.threads:
                 torch.set_num_threads(c.threads)
@@ -70,6 +72,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.model_path = loaded.path
+        self.hidden_size = loaded.config.hidden_size  # an embedding's length
         mc = loaded.config
         spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype)
         self.kv_cache = build_kv_cache(c, spec, loaded.device, c.max_num_seqs * loaded.max_model_len)
@@ -119,14 +122,16 @@ class Engine:
     def num_waiting(self) -> int:
         return self._unfinished - self._num_running
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, grammar: Grammar | None = None) -> int:
+    def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, grammar: Grammar | None = None,
+            embed: bool = False) -> int:
         """Queue one sequence (params.max_tokens resolved, ids checked: see api/engine_client.py); its outputs go to
-        sink, called on the engine thread; grammar: its own, from self.grammars (structured output). Returns its
-        id, for abort."""
+        sink, called on the engine thread; grammar: its own, from self.grammars (structured output); embed: only
+        prefill the prompt and send its pooled hidden state (config.pooling) as the one output. Returns its id,
+        for abort."""
         seq_id = next(self._ids)
         with self._unfinished_lock:
             self._unfinished += 1
-        self._inbox.put(("add", (seq_id, prompt_ids, params, sink, time.perf_counter(), grammar)))
+        self._inbox.put(("add", (seq_id, prompt_ids, params, sink, time.perf_counter(), grammar, embed)))
         return seq_id
 
     def abort(self, seq_id: int) -> None:
@@ -180,7 +185,7 @@ class Engine:
                 return
 
     def _add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink, arrival: float,
-             grammar: Grammar | None) -> None:
+             grammar: Grammar | None, embed: bool) -> None:
         device = self.runner.device
         seq = Sequence(
             seq_id=seq_id, prompt_ids=prompt_ids, params=params,
@@ -189,7 +194,7 @@ class Engine:
             sink=sink, arrival_time=arrival,
             # A seeded request samples from its own stream, so its tokens do not depend on its neighbours.
             generator=None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed),
-            grammar=grammar,
+            grammar=grammar, pooling=self.config.pooling if embed else None,
         )
         self._seqs[seq_id] = seq
         self.scheduler.add(seq)
@@ -214,6 +219,10 @@ class Engine:
             return
         self.scheduler.update(plan, [[token] for token in tokens])
         self._emit(sampled, logprobs)
+        for item in plan:
+            if item.pools:
+                self.scheduler.finish(item.seq, "stop")
+                self._send(item.seq)
 
     def _emit(self, seqs: list[Sequence], logprobs: list[TokenLogprob | None]) -> None:
         """Turn the step's new tokens into outputs: text, stop strings (which finish a sequence), timings."""
@@ -237,6 +246,13 @@ class Engine:
                     self.scheduler.finish(seq, "stop")
             self._send(seq)
 
+    @staticmethod
+    def _embedding(seq: Sequence) -> list[float] | None:
+        if seq.pooling is None or seq.pooled is None:
+            return None
+        vector = seq.pooled / len(seq.prompt_ids) if seq.pooling == "mean" else seq.pooled
+        return torch.nn.functional.normalize(vector, dim=0).tolist()
+
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a sequence from outside the step's update (abort, failure) and send its last output."""
         if seq.status == Status.FINISHED:
@@ -251,6 +267,7 @@ class Engine:
             token_ids=seq.output_ids[seq.num_sent_tokens:], logprobs=seq.pending_logprobs,
             finish_reason=seq.finish_reason if final else None, prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids), cached_tokens=seq.num_cached_tokens or 0, error=error,
+            embedding=self._embedding(seq) if final and seq.finish_reason == "stop" else None,
         )
         seq.num_sent_tokens, seq.pending_logprobs = len(seq.output_ids), []
         if final:

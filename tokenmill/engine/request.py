@@ -39,6 +39,7 @@ class SequenceOutput:
     completion_tokens: int
     cached_tokens: int = 0
     error: str | None = None
+    embedding: list[float] | None = None  # an embedding sequence's result: the pooled vector, L2-normalized
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Sequence:
     sink: Callable[[SequenceOutput], None]  # called on the engine thread; must be thread-safe
     generator: torch.Generator | None = None  # seeded requests sample from their own stream
     grammar: Grammar | None = None  # structured output: what the text must match, advanced token by token
+    pooling: str | None = None  # an embedding: "last" or "mean" of the prompt's final hidden states; never samples
+    pooled: torch.Tensor | None = None  # its running sum (mean) or last hidden state, fp32, set by the runner
     arrival_time: float = 0.0  # perf_counter() at submit, for time to first token
     last_token_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)

@@ -23,6 +23,7 @@ class ModelRunner:
         positions: list[int] = []
         slices: list[SequenceSlice] = []
         sample_rows: list[int] = []
+        pooled: list[tuple[ScheduledSequence, int, int]] = []  # embeddings: (item, first row, end row)
         for item in plan:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
@@ -31,8 +32,23 @@ class ModelRunner:
             slices.append(SequenceSlice(seq.seq_id, start, item.num_tokens))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
+            if seq.pooling is not None:
+                pooled.append((item, len(input_ids) - item.num_tokens, len(input_ids)))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_cache.prepare(slices))
+        for item, first, end in pooled:
+            self._pool(item, hidden[first:end])
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
+
+    @staticmethod
+    def _pool(item: ScheduledSequence, hidden: torch.Tensor) -> None:
+        """Fold one prompt chunk's hidden states into its sequence's pooled vector (a chunk from position 0 starts
+        it afresh: a recompute after preemption)."""
+        seq = item.seq
+        if seq.pooling == "last":
+            seq.pooled = hidden[-1].float()
+            return
+        chunk_sum = hidden.float().sum(0)
+        seq.pooled = chunk_sum if seq.pooled is None or seq.num_computed_tokens == 0 else seq.pooled + chunk_sum

@@ -22,9 +22,13 @@ class ScheduledSequence:
     num_tokens: int  # new tokens to run this step (a prompt chunk, or 1 when decoding)
     # A new token is due after this step: a decode, or the last chunk of a prompt.
     samples: bool = field(init=False)
+    # An embedding's prompt ends with this step: its pooled vector is done (it never samples).
+    pools: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        last = self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        self.samples = last and self.seq.pooling is None
+        self.pools = last and self.seq.pooling is not None
 
 
 @dataclass
@@ -145,7 +149,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            cached = self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
+            # A mean needs every position's hidden state: such a sequence computes its whole prompt.
+            cached = 0 if seq.pooling == "mean" else self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
             seq.num_computed_tokens = cached
             n = self._chunk(seq, budget)
             if n == 0 or not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, seq.final_len):
