@@ -12,6 +12,7 @@ import pytest
 from openai.types import completion_create_params, embedding_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
+from openai_spec import request_properties
 from pydantic import BaseModel, ValidationError
 
 from tokenmill.api.protocol import (
@@ -98,6 +99,15 @@ def test_every_parameter_the_sdk_can_send_is_a_field(model: type[RequestModel]) 
     params, _ = top_level()[model]
     sent = set(params.__required_keys__) | set(params.__optional_keys__)
     assert not sent - set(model.model_fields), "the SDK sends these, and the server would refuse them as unknown"
+
+
+SPEC_REQUESTS = {ChatCompletionRequest: "CreateChatCompletionRequest", CompletionRequest: "CreateCompletionRequest",
+                 ResponsesRequest: "CreateResponse", EmbeddingRequest: "CreateEmbeddingRequest"}
+
+
+@pytest.mark.parametrize("model", list(SPEC_REQUESTS), ids=lambda m: m.__name__)
+def test_every_field_of_openais_published_request_is_a_field(model: type[RequestModel]) -> None:
+    assert not request_properties(SPEC_REQUESTS[model]) - set(model.model_fields)
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)

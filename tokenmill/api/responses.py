@@ -21,29 +21,47 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _token_text(tk: Tokenizer, token_id: int) -> str:
-    return tk.decode([token_id], skip_special_tokens=False)
+def _token_text(data: bytes) -> str:
+    """A token's text as logprobs show it: its bytes as UTF-8, or, for a piece of a character, OpenAI's
+    `bytes:\\xe4\\xb8` form (its `bytes` carry the exact value either way)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def chat_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Each token's own bytes: over the content's tokens they concatenate to the content's bytes exactly."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(tk, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        data = tk.token_bytes(token_id)
+        return {"token": _token_text(data), "logprob": logprob, "bytes": list(data)}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
             for lp in logprobs]
 
 
+def _alternatives(tk: Tokenizer, top: list[tuple[int, float]]) -> dict[str, float]:
+    """The legacy API's top_logprobs dict, keyed by token text; a token whose text another (likelier) one already
+    has (two ids, the same bytes) is keyed `token_id:<id>` (vLLM's form), so none is lost."""
+    keyed: dict[str, float] = {}
+    for token_id, logprob in top:
+        text = _token_text(tk.token_bytes(token_id))
+        keyed[f"token_id:{token_id}" if text in keyed else text] = logprob
+    return keyed
+
+
 def completion_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], text_start: int = 0) -> dict[str, Any]:
-    tokens = [_token_text(tk, lp.token_id) for lp in logprobs]
-    offsets, at = [], text_start
-    for token in tokens:
-        offsets.append(at)
-        at += len(token)
+    """text_offset: where each token starts in the text, in characters; the pieces of one character all start
+    where it does."""
+    data = [tk.token_bytes(lp.token_id) for lp in logprobs]
+    offsets, before = [], b""
+    for piece in data:
+        offsets.append(text_start + len(before.decode("utf-8", errors="ignore")))
+        before += piece
     return {
-        "tokens": tokens,
+        "tokens": [_token_text(d) for d in data],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{_token_text(tk, t): v for t, v in lp.top} for lp in logprobs],
+        "top_logprobs": [_alternatives(tk, lp.top) for lp in logprobs],
         "text_offset": offsets,
     }
 

@@ -70,6 +70,7 @@ class Engine:
                                      quantized=c.quantized_weights, dense_budget=parse_size(c.dense_weights_budget))
         loaded = self.loaded
         self.tokenizer = loaded.tokenizer
+        self.tokenizer.token_bytes(0)  # its table is built here, not on the first request that asks for logprobs
         self.chat_template = loaded.chat_template
         self.model_path = loaded.path
         self.hidden_size = loaded.config.hidden_size  # an embedding's length
@@ -235,7 +236,7 @@ class Engine:
                 self.metrics.ttft.observe(now - seq.arrival_time)
             seq.last_token_time = now
             self.metrics.generation_tokens.inc(len(new))
-            if logprob is not None:
+            if logprob is not None and not self._ended_by_end_token(seq):
                 seq.pending_logprobs.append(logprob)
             for token in new:
                 seq.detokenizer.add_token(token)
@@ -245,6 +246,13 @@ class Engine:
                 else:
                     self.scheduler.finish(seq, "stop")
             self._send(seq)
+
+    def _ended_by_end_token(self, seq: Sequence) -> bool:
+        """The sequence's last token is the end-of-generation or stop token that finished it: no text of the
+        answer, so (as OpenAI's) no logprob entry; the entries' bytes then add up to the text."""
+        last = seq.output_ids[-1] if seq.output_ids else None
+        return seq.status == Status.FINISHED and seq.finish_reason == "stop" and last is not None and (
+            last in self.tokenizer.eos_token_ids or last in seq.params.stop_token_ids)
 
     @staticmethod
     def _embedding(seq: Sequence) -> list[float] | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +111,13 @@ def _from_gguf_metadata(meta: dict[str, Any]) -> HFTokenizer:
     return tok
 
 
+def _gpt2_byte_chars() -> list[str]:
+    """The printable stand-ins of a byte-level BPE vocabulary for the 256 byte values (GPT-2's table)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
 def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
@@ -190,6 +199,32 @@ class Tokenizer:
             ids += self._plain.encode(text, add_special_tokens=False).ids
             cursor = at + len(text)
         return ids + self._tok.encode(prompt[cursor:], add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to the text, exactly (a piece of a UTF-8 character stays that piece): what
+        logprobs report. Added tokens are their content; the rest are read through the vocabulary's scheme."""
+        return self._token_bytes[token_id]
+
+    @cached_property
+    def _token_bytes(self) -> list[bytes]:
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        gpt2 = {c: b for b, c in enumerate(_gpt2_byte_chars())}
+
+        def of(token_id: int) -> bytes:
+            piece = self._tok.id_to_token(token_id)
+            if token_id in added or piece is None:
+                return added.get(token_id, "").encode()
+            if "ByteLevel" in kinds:
+                return bytes(gpt2[c] for c in piece) if all(c in gpt2 for c in piece) else piece.encode()
+            if "ByteFallback" in kinds and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                return bytes([int(piece[3:5], 16)])
+            if "ByteFallback" in kinds or "Metaspace" in kinds:
+                return piece.replace("\u2581", " ").encode()
+            return self._tok.decode([token_id], skip_special_tokens=False).encode()  # other schemes: as decoded
+
+        return [of(i) for i in range(self.vocab_size)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
