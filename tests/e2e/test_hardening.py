@@ -117,7 +117,7 @@ CASES = [
     ("echo with stream", "POST", COMPLETIONS, completion(echo=True, stream=True), {}, 400, "echo"),
     ("unknown model", "POST", CHAT, chat(model="gpt-9"), {}, 404, "model"),
     ("wrong method", "GET", CHAT, None, {}, 405, None),
-    ("unknown route", "POST", "/v1/embeddings", chat(), {}, 404, None),
+    ("unknown route", "POST", "/v1/edits", chat(), {}, 404, None),
     ("oversized body", "POST", CHAT, chat(messages=[{"role": "user", "content": "x" * 70_000}]), {}, 413, None),
     ("nesting the JSON parser refuses", "POST", CHAT,
      b'{"model": "tiny", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}, 400, None),

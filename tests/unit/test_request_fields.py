@@ -56,7 +56,7 @@ NESTED = {
                                                                                                "name": "f"},
     "JsonSchemaFormat": {"name": "s"}, "ResponseFormat": {"type": "text"}, "StructuredOutputs": {},
 }
-CANDIDATES = (True, "x", 3, {"k": "v"}, ["x"], [{"k": "v"}])
+CANDIDATES = (True, "x", 3, {"k": "v"}, ["x"], [{"k": "v"}], {})
 
 
 def minimal(model: type[RequestModel]) -> dict[str, Any]:

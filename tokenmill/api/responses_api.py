@@ -55,7 +55,7 @@ class ResponsesRequest(RequestModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False
-    stream_options: ResponseStreamOptions | None = None
+    stream_options: ResponseStreamOptions | None = no_effect(why="its one option, include_obfuscation, has none")
     tools: list[ResponseFunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponseToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
