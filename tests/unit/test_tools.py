@@ -3,15 +3,20 @@ not (the tools and past calls then appear in the model family's own format); the
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 from helpers import CHATML
 
 from tokenmill.api.protocol import ChatCompletionRequest
+from tokenmill.api.responses import chat_chunks, chat_completion
+from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
 from tokenmill.api.tool_parsers import PARSERS, parse_tool_calls
 from tokenmill.api.tools import forced_call_spec, template_inputs
 from tokenmill.config import ServerConfig
+from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import RequestError
 from tokenmill.loader.chat_template import ChatTemplate
 
@@ -110,3 +115,43 @@ def test_an_unknown_tool_call_parser_stops_the_server_from_starting() -> None:
 
     with pytest.raises(ConfigError, match="--tool-call-parser: unknown tool-call parser 'mistral'"):
         create_app(None, "m", config=ServerConfig(tool_call_parser="mistral"))  # type: ignore[arg-type]
+
+
+TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+             '<tool_call>{"name": "get_time", "arguments": {"timezone": "CET"}}</tool_call>')
+
+
+def _outputs() -> list[SequenceOutput]:
+    half = len(TWO_CALLS) // 2  # streamed in two pieces
+    return [SequenceOutput(0, TWO_CALLS[:half], [], [], None, 5, 10),
+            SequenceOutput(0, TWO_CALLS[half:], [], [], "stop", 5, 20)]
+
+
+async def _merged() -> AsyncIterator[tuple[int, SequenceOutput]]:
+    for out in _outputs():
+        yield 0, out
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_answers_with_the_first_call_only(parallel: bool) -> None:
+    """Also under tool_choice auto, where no grammar limits the model to one call."""
+    hermes = PARSERS["hermes"]
+    body = chat_completion("id", "m", 5, [_outputs()], None, hermes, parallel)  # type: ignore[arg-type]
+    names = [c["function"]["name"] for c in body["choices"][0]["message"]["tool_calls"]]
+    assert names == (["get_weather", "get_time"] if parallel else ["get_weather"])
+
+    async def streamed() -> list[dict]:
+        return [c async for c in chat_chunks("id", "m", 5, False, 1, None, _merged(), hermes,  # type: ignore[arg-type]
+                                             parallel)]
+    deltas = [d for c in asyncio.run(streamed()) for ch in c["choices"] for d in ch["delta"].get("tool_calls", [])]
+    assert [d["function"]["name"] for d in deltas if "id" in d] == names
+
+    request = ResponsesRequest(model="m", input="x", parallel_tool_calls=parallel)
+    response = response_object(ResponseBuilder(request, "m", 5), _outputs(), hermes)
+    assert [item["name"] for item in response["output"] if item["type"] == "function_call"] == names
+
+    async def events() -> list[dict]:
+        return [e async for e in response_events(ResponseBuilder(request, "m", 5), _merged(), hermes)]
+    added = [e["item"]["name"] for e in asyncio.run(events()) if e["type"] == "response.output_item.added"
+             and e["item"]["type"] == "function_call"]
+    assert added == names

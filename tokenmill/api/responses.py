@@ -87,10 +87,12 @@ def _finish_reason(finish: str | None, called: bool) -> str | None:
     return "tool_calls" if called and finish == "stop" else finish
 
 
-def _message(text: str, tool_parser: type[ToolParser] | None) -> tuple[dict[str, Any], list[ToolCall]]:
+def _message(text: str, tool_parser: type[ToolParser] | None, parallel: bool
+             ) -> tuple[dict[str, Any], list[ToolCall]]:
     if tool_parser is None:
         return {"role": "assistant", "content": text, "refusal": None}, []
     content, calls = parse_tool_calls(tool_parser, text)
+    calls = calls if parallel else calls[:1]  # parallel_tool_calls false: the first call is the answer
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if calls:
         message["tool_calls"] = [{"id": _call_id(), "type": "function",
@@ -99,13 +101,15 @@ def _message(text: str, tool_parser: type[ToolParser] | None) -> tuple[dict[str,
 
 
 def chat_completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
-                    tk: Tokenizer, tool_parser: type[ToolParser] | None = None) -> dict[str, Any]:
-    """tool_parser: read the text for tool calls (the request has tools), in the model's format."""
+                    tk: Tokenizer, tool_parser: type[ToolParser] | None = None, parallel: bool = True
+                    ) -> dict[str, Any]:
+    """tool_parser: read the text for tool calls (the request has tools), in the model's format; parallel: all
+    the calls it wrote, else only the first (parallel_tool_calls)."""
     choices, completion_tokens = [], 0
     for index, outs in enumerate(results):
         text, logprobs, finish, n_tokens = _joined(outs)
         completion_tokens += n_tokens
-        message, calls = _message(text, tool_parser)
+        message, calls = _message(text, tool_parser, parallel)
         choices.append({
             "index": index,
             "message": message,
@@ -172,8 +176,9 @@ def _tool_call_delta(delta: ToolCallDelta, call_ids: dict[int, str]) -> dict[str
 
 async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,
                       tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]],
-                      tool_parser: type[ToolParser] | None = None) -> AsyncIterator[dict[str, Any]]:
-    """tool_parser: as in chat_completion; calls stream as tool_calls deltas, the rest as content."""
+                      tool_parser: type[ToolParser] | None = None, parallel: bool = True
+                      ) -> AsyncIterator[dict[str, Any]]:
+    """tool_parser, parallel: as in chat_completion; calls stream as tool_calls deltas, the rest as content."""
     chunk = _chunker(request_id, "chat.completion.chunk", model, include_usage)
 
     started: set[int] = set()
@@ -195,7 +200,8 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
         if tool_parser is not None:
             parser = parsers.setdefault(index, tool_parser())
             parsed = [parser.feed(out.text)] + ([parser.finish()] if out.finish_reason is not None else [])
-            content, calls = "".join(p.content for p in parsed), [d for p in parsed for d in p.calls]
+            content = "".join(p.content for p in parsed)
+            calls = [d for p in parsed for d in p.calls if parallel or d.index == 0]
         if content or out.logprobs:
             logprobs = {"content": chat_logprobs(tk, out.logprobs), "refusal": None} if out.logprobs else None
             yield chunk([{"index": index, "delta": {"content": content}, "logprobs": logprobs,

@@ -254,6 +254,7 @@ def response_object(builder: ResponseBuilder, outs: list[SequenceOutput],
     """The whole Response of a request that was not streamed."""
     text = "".join(o.text for o in outs)
     content, calls = parse_tool_calls(tool_parser, text) if tool_parser else (text, [])
+    calls = calls if builder.response["parallel_tool_calls"] else calls[:1]
     content = content or ""
     status = "completed" if outs[-1].finish_reason == "stop" else "incomplete"
     output = [_message_item(content, status)] if content or not calls else []
@@ -349,7 +350,7 @@ async def response_events(builder: ResponseBuilder, outputs: AsyncIterator[tuple
         pieces: list[tuple[str, list[ToolCallDelta]]] = [(out.text, [])]
         if parser is not None:
             parsed = [parser.feed(out.text)] + ([parser.finish()] if out.finish_reason is not None else [])
-            pieces = [(p.content, p.calls) for p in parsed]
+            pieces = [(p.content, [d for d in p.calls if r["parallel_tool_calls"] or d.index == 0]) for p in parsed]
         for content, deltas in pieces:
             for e in (events.text(content) if content else []) + [e for d in deltas for e in events.call(d)]:
                 yield e

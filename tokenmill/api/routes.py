@@ -150,12 +150,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = responses.chat_chunks(request_id, serving.model_id, prompt_tokens, include_usage, body.n, tk,
-                                       merge(streams), tool_parser)
+                                       merge(streams), tool_parser, body.parallel_tool_calls)
         return _sse_response(chunks, streams)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
         return Response(status_code=499)  # nobody is there to read it
-    return responses.chat_completion(request_id, serving.model_id, prompt_tokens, results, tk, tool_parser)
+    return responses.chat_completion(request_id, serving.model_id, prompt_tokens, results, tk, tool_parser,
+                                     body.parallel_tool_calls)
 
 
 # A Responses request runs as a chat request: errors name the Responses field the chat field came from.
