@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import codecs
 import struct
 import time
 import uuid
@@ -21,48 +22,125 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _token_text(data: bytes) -> str:
-    """A token's text as logprobs show it: its bytes as UTF-8, or, for a piece of a character, OpenAI's
-    `bytes:\\xe4\\xb8` form (its `bytes` carry the exact value either way)."""
+def _escaped(data: bytes) -> str:
+    """Bytes as OpenAI writes a token that is not whole UTF-8 (its cookbook shows a piece of an emoji as
+    `\\xf0\\x9f\\x92`): printable ASCII as itself, every other byte, a backslash too, as `\\xNN`, so the form
+    reads back to the bytes unambiguously."""
+    return "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in data)
+
+
+def _chat_token(data: bytes) -> str:
+    """A chat logprob's `token`: the text of its bytes, or for a piece of a character (not whole UTF-8) the escaped
+    bytes, as OpenAI shows them (never U+FFFD: the exact value is in `bytes` either way)."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+        return _escaped(data)
 
 
-def chat_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
-    """Each token's own bytes: over the content's tokens they concatenate to the content's bytes exactly."""
+def _completion_token(data: bytes) -> str:
+    """A legacy logprob's token (and its key in top_logprobs): its text, or OpenAI's `bytes:\\xe4\\xb8` form."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + _escaped(data)
+
+
+class _Pieces:
+    """What each token adds to an answer's text, exactly. A special token that the detokenizer hides (every one but
+    those `shown`, the tool-call delimiters a parser reads) adds nothing: its entry keeps its logprob and its name
+    as `token`, with `bytes` [] (a zero-width token in text_offset), so that over the content's tokens the entries'
+    bytes concatenate to the content's bytes. (The end token that finished an answer has no entry at all: the
+    engine leaves it out, as OpenAI never shows one.)"""
+
+    def __init__(self, tk: Tokenizer, shown: frozenset[int] = frozenset()) -> None:
+        self._tk = tk
+        self._shown = shown
+
+    def name(self, token_id: int) -> bytes:
+        """The token's own bytes (a special token's are its text)."""
+        return self._tk.token_bytes(token_id)
+
+    def added(self, token_id: int) -> bytes:
+        """The bytes the token adds to the text."""
+        hidden = token_id in self._tk.special_ids and token_id not in self._shown
+        return b"" if hidden else self._tk.token_bytes(token_id)
+
+
+def _shown(tk: Tokenizer, tool_parser: type[ToolParser] | None) -> frozenset[int]:
+    """The special tokens a request's text keeps: those that delimit its model's tool calls (see routes)."""
+    return frozenset(tk.special_token_ids(tool_parser.delimiters)) if tool_parser is not None else frozenset()
+
+
+def chat_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], shown: frozenset[int] = frozenset()
+                  ) -> list[dict[str, Any]]:
+    """Each entry's `bytes` are what its token adds to the text: over the content's tokens they concatenate to the
+    content's bytes exactly (see _Pieces); an alternative's are the same as that token's would be."""
+    pieces = _Pieces(tk, shown)
+
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        data = tk.token_bytes(token_id)
-        return {"token": _token_text(data), "logprob": logprob, "bytes": list(data)}
+        return {"token": _chat_token(pieces.name(token_id)), "logprob": logprob,
+                "bytes": list(pieces.added(token_id))}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
             for lp in logprobs]
 
 
-def _alternatives(tk: Tokenizer, top: list[tuple[int, float]]) -> dict[str, float]:
-    """The legacy API's top_logprobs dict, keyed by token text; a token whose text another (likelier) one already
-    has (two ids, the same bytes) is keyed `token_id:<id>` (vLLM's form), so none is lost."""
+def _alternatives(tokens: Callable[[int], str], top: list[tuple[int, float]]) -> dict[str, float]:
+    """The legacy API's top_logprobs dict, keyed by token text. Keys never collide, so `logprobs: k` gives k: a
+    token whose text a likelier one already keys (two ids, the same bytes: Gemma's `\\n` and its byte-fallback
+    token <0x0A>, say) is keyed `token_id:<id>` (vLLM's form for a token id)."""
     keyed: dict[str, float] = {}
     for token_id, logprob in top:
-        text = _token_text(tk.token_bytes(token_id))
+        text = tokens(token_id)
         keyed[f"token_id:{token_id}" if text in keyed else text] = logprob
     return keyed
 
 
-def completion_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], text_start: int = 0) -> dict[str, Any]:
-    """text_offset: where each token starts in the text, in characters; the pieces of one character all start
-    where it does."""
-    data = [tk.token_bytes(lp.token_id) for lp in logprobs]
-    offsets, before = [], b""
-    for piece in data:
-        offsets.append(text_start + len(before.decode("utf-8", errors="ignore")))
-        before += piece
+class TextOffsets:
+    """text_offset of a choice's tokens, one after another (across stream chunks too): where each token starts in
+    the returned text, in characters (Python str indices, as the text's own length counts them). The pieces of one
+    character, which alone are not text, all start where that character does; a byte that never completes a
+    character counts as the one U+FFFD the text shows for it; a hidden special token is zero-width. Counted from
+    the tokens' bytes, not from the text sent so far, so a stream's offsets are the whole answer's even while stop
+    strings hold text back."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._chars = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next(self, added: bytes) -> int:
+        """The offset of a token that adds these bytes; counts them."""
+        at, pending = self._chars, self._utf8.getstate()[0]
+        if pending and added and not _utf8_prefix(pending + added[:1]):
+            at += len(pending.decode("utf-8", errors="replace"))  # the bytes before it never made a character
+        self._chars += len(self._utf8.decode(added))
+        return at
+
+
+def _utf8_prefix(data: bytes) -> bool:
+    """Whether data can begin valid UTF-8 (a token whose first byte goes on with the bytes before it continues
+    their character)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def completion_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], offsets: TextOffsets | None = None
+                        ) -> dict[str, Any]:
+    """offsets: the choice's offsets so far (a stream's, chunk after chunk); a new count from 0 if None."""
+    pieces, offsets = _Pieces(tk), offsets or TextOffsets()
+
+    def token(token_id: int) -> str:
+        return _completion_token(pieces.name(token_id))
+
     return {
-        "tokens": [_token_text(d) for d in data],
+        "tokens": [token(lp.token_id) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [_alternatives(tk, lp.top) for lp in logprobs],
-        "text_offset": offsets,
+        "top_logprobs": [_alternatives(token, lp.top) for lp in logprobs],
+        "text_offset": [offsets.next(pieces.added(lp.token_id)) for lp in logprobs],
     }
 
 
@@ -113,7 +191,8 @@ def chat_completion(request_id: str, model: str, prompt_tokens: int, results: li
         choices.append({
             "index": index,
             "message": message,
-            "logprobs": {"content": chat_logprobs(tk, logprobs), "refusal": None} if logprobs else None,
+            "logprobs": {"content": chat_logprobs(tk, logprobs, _shown(tk, tool_parser)), "refusal": None}
+            if logprobs else None,
             "finish_reason": _finish_reason(finish, bool(calls)),
         })
     cached = results[0][-1].cached_tokens
@@ -203,7 +282,8 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
             content = "".join(p.content for p in parsed)
             calls = [d for p in parsed for d in p.calls if parallel or d.index == 0]
         if content or out.logprobs:
-            logprobs = {"content": chat_logprobs(tk, out.logprobs), "refusal": None} if out.logprobs else None
+            logprobs = {"content": chat_logprobs(tk, out.logprobs, _shown(tk, tool_parser)), "refusal": None} \
+                if out.logprobs else None
             yield chunk([{"index": index, "delta": {"content": content}, "logprobs": logprobs,
                           "finish_reason": None}])
         for delta in calls:
@@ -224,7 +304,7 @@ async def completion_chunks(request_id: str, model: str, prompt_tokens: int, inc
 
     completion_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
-    text_offsets: dict[int, int] = {}
+    offsets: dict[int, TextOffsets] = {}
     async for index, out in outputs:
         if out.finish_reason == "error":
             yield _stream_error(out)
@@ -232,9 +312,8 @@ async def completion_chunks(request_id: str, model: str, prompt_tokens: int, inc
         completion_tokens[index] = out.completion_tokens
         cached[index] = out.cached_tokens
         if out.text or out.logprobs or out.finish_reason is not None:
-            start = text_offsets.get(index, 0)
-            text_offsets[index] = start + len(out.text)
-            logprobs = completion_logprobs(tk, out.logprobs, start) if out.logprobs else None
+            logprobs = completion_logprobs(tk, out.logprobs, offsets.setdefault(index, TextOffsets())) \
+                if out.logprobs else None
             yield chunk([{"index": index, "text": out.text, "logprobs": logprobs,
                           "finish_reason": out.finish_reason}])
     if include_usage:

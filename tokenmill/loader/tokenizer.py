@@ -135,6 +135,8 @@ class Tokenizer:
         self.eos_token = eos_token
         self._special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self.special_tokens = list(self._special_ids)
+        # The ids a decode with special tokens skipped leaves out (the detokenizer's, unless it is told to show one).
+        self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         # End-of-generation ids: the declared eos plus every special end-of-turn token of the vocabulary.
         self.eos_token_ids = eos_token_ids | {i for text, i in self._special_ids.items() if text in END_OF_TURN_TEXTS}
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
