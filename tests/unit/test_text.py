@@ -62,13 +62,38 @@ def test_gpt2_bpe_tokenizer_from_gguf_matches_transformers(smollm_tokenizer: Tok
     assert len(im_end) == 1 and im_end[0] in smollm_tokenizer.eos_token_ids
 
 
+@pytest.fixture(scope="module")
+def gemma_tokenizer() -> Tokenizer:
+    """Gemma 3's SentencePiece-style vocabulary (▁ for a space, <0xNN> byte fallback), rebuilt from its GGUF."""
+    return Tokenizer.from_gguf(GGUFFile(pull("gemma3-270m", quiet=True)).metadata)
+
+
 @pytest.mark.slow
-def test_sentencepiece_tokenizer_from_gguf_matches_transformers() -> None:
-    path = pull("gemma3-270m", quiet=True)
-    tokenizer = Tokenizer.from_gguf(GGUFFile(path).metadata)
-    _check_against_transformers(tokenizer, path)
-    assert tokenizer.encode("hi")[0] == 2  # add_bos_token: <bos> first
-    assert tokenizer.encode("<end_of_turn>", add_special_tokens=False)[0] in tokenizer.eos_token_ids
+def test_sentencepiece_tokenizer_from_gguf_matches_transformers(gemma_tokenizer: Tokenizer) -> None:
+    _check_against_transformers(gemma_tokenizer, pull("gemma3-270m", quiet=True))
+    assert gemma_tokenizer.encode("hi")[0] == 2  # add_bos_token: <bos> first
+    assert gemma_tokenizer.encode("<end_of_turn>", add_special_tokens=False)[0] in gemma_tokenizer.eos_token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocabulary", ["smollm_tokenizer", "gemma_tokenizer"])
+def test_every_token_s_bytes_are_the_text_it_adds(vocabulary: str, request: pytest.FixtureRequest) -> None:
+    """token_bytes (what logprobs report) of each token of both real vocabularies (byte-level BPE, SentencePiece):
+    the text a decode adds for it after some context, exactly where that is whole UTF-8; and over texts that
+    tokenize into pieces of characters, the pieces rebuild the text byte for byte."""
+    tk: Tokenizer = request.getfixturevalue(vocabulary)
+    context = tk.encode("a", add_special_tokens=False)
+    decoded = tk._tok.decode_batch([[*context, i] for i in range(tk.vocab_size)], skip_special_tokens=False)
+    def whole(data: bytes) -> bool:
+        return data.decode("utf-8", errors="ignore").encode() == data
+
+    for token_id, text in enumerate(decoded):
+        assert text == "a" + tk.token_bytes(token_id).decode("utf-8", errors="replace"), token_id
+    assert sum(not whole(tk.token_bytes(i)) for i in range(tk.vocab_size)) > 100  # byte tokens, pieces of characters
+    for text in ["🌍🌐 你好，世界！这是一个测试。", "𓀀 ꙮ ünïcödé\n\t end", "<|im_end|><end_of_turn>"]:
+        ids = tk.encode(text, add_special_tokens=False)
+        assert b"".join(tk.token_bytes(i) for i in ids) == text.encode()
+        assert "𓀀" not in text or not all(whole(tk.token_bytes(i)) for i in ids)  # a rare character: in pieces
 
 
 def test_special_token_text_in_user_content_stays_text(smollm_tokenizer: Tokenizer) -> None:
