@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import struct
+import threading
+import time
 
 import httpx
 import openai
@@ -35,15 +37,30 @@ def test_inputs_of_every_shape_give_unit_vectors_in_order(client: openai.OpenAI,
     assert_no_live_blocks(server.engine)
 
 
+def test_lists_of_token_ids_embed_each_as_its_text_would(client: openai.OpenAI, server: ServerThread) -> None:
+    texts = ["Hello there.", "Embeddings are pooled hidden states of the model's final layer."]
+    ids = [server.engine.tokenizer.encode(t) for t in texts]
+    by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float", user="someone")
+    # left out, encoding_format is base64 as the SDK sends it (it decodes the float32s): the same numbers
+    by_text = client.embeddings.create(model=MODEL, input=texts)
+    assert [d.embedding for d in by_ids.data] == [d.embedding for d in by_text.data]
+    assert by_ids.usage.prompt_tokens == by_ids.usage.total_tokens == sum(map(len, ids))
+    assert_no_live_blocks(server.engine)
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["a", ""]}, "input"),
-    ({"input": [10**9]}, "input"), ({"input": "a", "dimensions": 7}, "dimensions"),
+    ({"input": [[]]}, "input"), ({"input": [[1, 2], []]}, "input"), ({"input": ["a", 1]}, "input"),
+    ({"input": [10**9]}, "input"), ({"input": [[5], [-1]]}, "input"), ({"input": ["a"] * 257}, "input"),
+    ({"input": "a", "dimensions": 7}, "dimensions"), ({"input": "a", "dimensions": 0}, "dimensions"),
     ({"input": "a", "encoding_format": "hex"}, "encoding_format"), ({"input": "a " * 20000}, "input"),
+    ({"input": "a", "pooling": "mean"}, "pooling"),
 ])
 def test_bad_inputs_are_400s_naming_the_field(server: ServerThread, body: dict, param: str) -> None:
     response = httpx.post(f"{server.base_url}/embeddings", json={"model": MODEL, **body}, timeout=60)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    # a value that fits none of a union's forms is named with pydantic's path, e.g. input.str (api/errors.py)
+    assert response.json()["error"]["param"].split(".")[0] == param
     assert_no_live_blocks(server.engine)
 
 
@@ -61,3 +78,50 @@ def test_related_sentences_are_closer_than_unrelated_ones(client: openai.OpenAI,
     data = client.embeddings.create(model=MODEL, input=[related, paraphrase, unrelated]).data
     a, b, u = (torch.tensor(d.embedding) for d in data)
     assert float(a @ b) > max(float(a @ u), float(b @ u))
+
+
+def test_an_unknown_model_is_a_404(server: ServerThread) -> None:
+    response = httpx.post(f"{server.base_url}/embeddings", json={"model": "nope", "input": "a"}, timeout=60)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_chat_answer_runs_alongside_embeddings(client: openai.OpenAI, server: ServerThread) -> None:
+    """Embeddings of 32 inputs share the engine's steps with a chat answer being streamed: both complete, the
+    answer whole and each vector as it is alone."""
+    messages = [{"role": "user", "content": "Count from one to twenty in words."}]
+    chat: dict = {}
+
+    def answer() -> None:
+        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        chat["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        chat["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+    texts = [f"Sentence number {i} is about {topic}." for i, topic in enumerate(["cats", "stocks", "bread"] * 11)]
+    alone = client.embeddings.create(model=MODEL, input=texts[:3]).data
+    thread = threading.Thread(target=answer)
+    thread.start()
+    deadline = time.time() + 30
+    while server.engine.num_unfinished == 0 and time.time() < deadline:  # the answer has started
+        time.sleep(0.01)
+    together = client.embeddings.create(model=MODEL, input=texts[:32]).data
+    still_answering = thread.is_alive()
+    thread.join(120)
+    assert chat["finish"] == "length" and chat["text"]
+    assert still_answering  # the embeddings really shared the engine with the answer
+    assert [d.index for d in together] == list(range(32))
+    for a, b in zip(alone, together[:3], strict=True):
+        assert float(torch.tensor(a.embedding) @ torch.tensor(b.embedding)) > 0.9999
+    assert_no_live_blocks(server.engine)
+
+
+def test_a_client_that_leaves_frees_every_sequence(server: ServerThread) -> None:
+    body = {"model": MODEL, "input": ["A long input that takes a while to embed. " * 40] * 64}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/embeddings", json=body, timeout=httpx.Timeout(60, read=0.5))
+    deadline = time.time() + 60
+    while server.engine.num_unfinished and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.engine.num_unfinished == 0
+    assert_no_live_blocks(server.engine)

@@ -454,3 +454,33 @@ def test_update_appends_several_tokens_up_to_the_first_that_stops() -> None:
     assert sched.update(plan, [[3, 7, 5], [4, 4, 4]]) == [a, b]
     assert (a.output_ids, a.finish_reason) == ([9, 3, 7], "stop")  # what followed the stop is dropped
     assert (b.output_ids, b.finish_reason) == ([9, 4, 4], "length")
+
+
+def embedding(seq_id: int, prompt: list[int], pooling: str) -> Sequence:
+    seq = make(seq_id, 0, prompt=prompt, max_tokens=1)
+    seq.pooling = pooling
+    return seq
+
+
+@pytest.mark.parametrize(("pooling", "cached"), [("last", 12), ("mean", 0)])
+def test_an_embedding_prefills_in_chunks_never_samples_and_finishes_when_its_prompt_is_done(
+        pooling: str, cached: int) -> None:
+    """Its blocks go back (to the prefix cache) like any finished sequence's; last pooling takes prefix hits,
+    mean needs every position's hidden state so it computes the whole prompt."""
+    sched, kv = prefix_scheduler(max_num_batched_tokens=8)
+    sched.add(make(0, 0, prompt=tokens(10, 14), max_tokens=2))
+    while sched.has_work():
+        step(sched)
+    assert kv.prefix_cache.num_blocks == 3 and kv.usage() == 0
+    seq = embedding(1, tokens(10, 14), pooling)
+    sched.add(seq)
+    plans = []
+    while sched.has_work():
+        plan = sched.schedule()
+        plans.append([(p.num_tokens, p.samples, p.pools) for p in plan])
+        assert sched.update(plan, []) == ([seq] if plans[-1][0][2] else [])
+    todo = 14 - cached
+    expected = [[(min(8, todo - i), False, i + 8 >= todo)] for i in range(0, todo, 8)]
+    assert plans == expected and seq.num_cached_tokens == cached
+    assert seq.status == Status.FINISHED and seq.finish_reason == "stop" and seq.output_ids == []
+    assert kv.num_sequences == 0 and kv.usage() == 0 and kv.pool.num_used == kv.prefix_cache.num_blocks == 3

@@ -221,8 +221,7 @@ class Engine:
         self.scheduler.update(plan, [[token] for token in tokens])
         self._emit(sampled, logprobs)
         for item in plan:
-            if item.pools:
-                self.scheduler.finish(item.seq, "stop")
+            if item.pools:  # an embedding, finished by update: its one output carries the pooled vector
                 self._send(item.seq)
 
     def _emit(self, seqs: list[Sequence], logprobs: list[TokenLogprob | None]) -> None:

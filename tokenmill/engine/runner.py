@@ -32,7 +32,7 @@ class ModelRunner:
             slices.append(SequenceSlice(seq.seq_id, start, item.num_tokens))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
-            if seq.pooling is not None:
+            if seq.pooling is not None and (item.pools or seq.pooling == "mean"):  # last: the final chunk only
                 pooled.append((item, len(input_ids) - item.num_tokens, len(input_ids)))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -44,11 +44,12 @@ class ModelRunner:
 
     @staticmethod
     def _pool(item: ScheduledSequence, hidden: torch.Tensor) -> None:
-        """Fold one prompt chunk's hidden states into its sequence's pooled vector (a chunk from position 0 starts
-        it afresh: a recompute after preemption)."""
+        """Fold one prompt chunk's hidden states into its sequence's pooled vector: last, the final chunk's last
+        row; mean, a running fp32 sum over the chunks (a chunk from position 0 starts it afresh: a recompute after
+        preemption). A copy, never a view that would keep the step's hidden states alive."""
         seq = item.seq
         if seq.pooling == "last":
-            seq.pooled = hidden[-1].float()
+            seq.pooled = hidden[-1].to(torch.float32, copy=True)
             return
         chunk_sum = hidden.float().sum(0)
         seq.pooled = chunk_sum if seq.pooled is None or seq.num_computed_tokens == 0 else seq.pooled + chunk_sum

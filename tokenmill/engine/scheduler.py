@@ -216,19 +216,22 @@ class Scheduler:
     # --- recording a step -------------------------------------------------------------------------------
 
     def update(self, plan: list[ScheduledSequence], new_tokens: list[list[int]]) -> list[Sequence]:
-        """Record a step that ran: progress for every planned sequence, then the sampled tokens (new_tokens[i] for
-        the i-th sampling item of the plan), appended up to the first that finishes its sequence, whose KV is then
-        freed. Returns the sequences that finished. Several tokens per sequence is what speculative decoding
-        will hand in."""
+        """Record a step that ran: progress for every planned sequence (an embedding whose prompt is done
+        finishes), then the sampled tokens (new_tokens[i] for the i-th sampling item of the plan), appended up to
+        the first that finishes its sequence, whose KV is then freed. Returns the sequences that finished. Several
+        tokens per sequence is what speculative decoding will hand in."""
         if self.isolated and plan and plan[0].seq is self.isolated[0]:
             self.isolated.popleft()
+        finished = []
         for item in plan:
             seq = item.seq
             before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_tokens
             if before < len(seq.prompt_ids) <= seq.num_computed_tokens:
                 self.kv.cache(seq.seq_id, seq.prompt_ids)  # a prompt is shareable as soon as its prefill ends
-        finished = []
+            if item.pools:
+                self.finish(seq, "stop")
+                finished.append(seq)
         for item, tokens in zip([item for item in plan if item.samples], new_tokens, strict=True):
             seq = item.seq
             for token in tokens:
