@@ -139,3 +139,18 @@ def test_a_hidden_special_token_keeps_its_logprob_and_adds_no_bytes(server: Serv
     choice = post(server, "/completions", {**body, "prompt": "Hi", "logprobs": 1})["choices"][0]
     assert choice["text"] == "" and choice["logprobs"]["tokens"] == ["<|im_start|>"] * 3
     assert choice["logprobs"]["text_offset"] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_is_left_out_of_text_and_logprobs_unless_included(server: ServerThread, include: bool) -> None:
+    """A request's own stop token finishes the answer and, as vLLM does, is not part of it (neither text nor
+    entry) unless include_stop_str_in_output keeps it; the entries' bytes rebuild the text either way."""
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "logprobs": 1, "temperature": 0}
+    free = post(server, "/completions", body)["choices"][0]["logprobs"]["tokens"]
+    at = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # the first token that is new here
+    [stop_id] = server.engine.tokenizer.encode(free[at])
+    choice = post(server, "/completions", {**body, "stop_token_ids": [stop_id],
+                                           "include_stop_str_in_output": include})["choices"][0]
+    kept = free[:at + 1] if include else free[:at]
+    assert choice["finish_reason"] == "stop" and choice["logprobs"]["tokens"] == kept
+    assert choice["text"] == "".join(kept)

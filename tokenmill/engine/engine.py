@@ -235,9 +235,10 @@ class Engine:
                 self.metrics.ttft.observe(now - seq.arrival_time)
             seq.last_token_time = now
             self.metrics.generation_tokens.inc(len(new))
-            if logprob is not None and not self._ended_by_end_token(seq):
+            ended = self._ended_by_end_token(seq)
+            if logprob is not None and not ended:
                 seq.pending_logprobs.append(logprob)
-            for token in new:
+            for token in new[:-1] if ended else new:
                 seq.detokenizer.add_token(token)
             if seq.detokenizer.stopped:
                 if seq.status == Status.FINISHED:
@@ -247,11 +248,14 @@ class Engine:
             self._send(seq)
 
     def _ended_by_end_token(self, seq: Sequence) -> bool:
-        """The sequence's last token is the end-of-generation or stop token that finished it: no text of the
-        answer, so (as OpenAI's) no logprob entry; the entries' bytes then add up to the text."""
+        """The sequence's last token is the end-of-generation or stop token that finished it: not part of the
+        answer, so neither its text nor (as OpenAI's) a logprob entry; the entries' bytes then add up to the text.
+        A request's own stop token is kept with include_stop_str_in_output, as vLLM keeps it."""
         last = seq.output_ids[-1] if seq.output_ids else None
-        return seq.status == Status.FINISHED and seq.finish_reason == "stop" and last is not None and (
-            last in self.tokenizer.eos_token_ids or last in seq.params.stop_token_ids)
+        if seq.status != Status.FINISHED or seq.finish_reason != "stop" or last is None:
+            return False
+        return last in self.tokenizer.eos_token_ids or (
+            last in seq.params.stop_token_ids and not seq.params.include_stop_str_in_output)
 
     @staticmethod
     def _embedding(seq: Sequence) -> list[float] | None:
