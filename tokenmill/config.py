@@ -45,6 +45,9 @@ class EngineConfig:
     dense_weights_budget: str = option("1GiB", "memory that dense copies of the quantized weights may take, for steps "
                                                "of many rows (prefill, large batches) where dense matmuls are faster; "
                                                "beyond it (or 0) every step runs the quantized kernels")
+    fused_decode_layers: bool = option(True, "on CPU, decode steps of fewer than 32 rows in fp32 with the weights "
+                                             "kept quantized run each decoder layer as one C++ op (off: one op per "
+                                             "norm, projection, RoPE, attention...)")
 
 
 @dataclass

@@ -67,7 +67,8 @@ class Engine:
             if c.threads:
                 torch.set_num_threads(c.threads)
             self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len, prepack=c.prepack_weights,
-                                     quantized=c.quantized_weights, dense_budget=parse_size(c.dense_weights_budget))
+                                     quantized=c.quantized_weights, dense_budget=parse_size(c.dense_weights_budget),
+                                     fused_decode=c.fused_decode_layers)
         loaded = self.loaded
         self.tokenizer = loaded.tokenizer
         self.tokenizer.token_bytes(0)  # its table is built here, not on the first request that asks for logprobs

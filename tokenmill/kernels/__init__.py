@@ -19,7 +19,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("quant.cpp", "norm.cpp", "attention.cpp")
+SOURCES = ("quant.cpp", "norm.cpp", "attention.cpp", "rope.cpp", "layer.cpp")
+HEADERS = ("cpu.h",)  # in the build key, not compiled on their own
 DISABLE_ENV = "TOKENMILL_NO_KERNELS"  # set to 1: never build or load them (the fallback, for A/B and tests)
 
 
@@ -50,7 +51,7 @@ def load() -> bool:
     folder = resources.files(__package__)
     sources = [str(folder / name) for name in SOURCES]
     key = hashlib.sha256()
-    for path in sources:
+    for path in [*sources, *(str(folder / name) for name in HEADERS)]:
         with open(path, "rb") as src:
             key.update(src.read())
     key.update(_cpu_flags().encode())

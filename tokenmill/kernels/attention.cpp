@@ -13,6 +13,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu.h"
+
 namespace {
 
 template <typename T>
@@ -94,6 +96,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 }
 
 }  // namespace
+
+void tokenmill::paged_decode_rows(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+                                  const int64_t* lengths, float* out, int64_t seqs, int64_t heads, int64_t kv_heads,
+                                  int64_t dim, int64_t block_size, int64_t width, float scale) {
+  decode<float>(q, k_cache, v_cache, tables, lengths, out, seqs, heads, kv_heads, dim, block_size, width, scale);
+}
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lengths, "

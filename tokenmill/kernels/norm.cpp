@@ -9,6 +9,8 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu.h"
+
 namespace {
 
 // out = x / rms(x) * weight per row, statistics in fp32; with residual, x += residual first (rounded to x's dtype,
@@ -63,6 +65,11 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Ten
 }
 
 }  // namespace
+
+void tokenmill::rms_norm_rows(float* x, const float* residual, const float* weight, float* out, int64_t rows,
+                              int64_t dim, float eps) {
+  rms_rows<float>(x, residual, weight, out, rows, dim, eps);
+}
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TOKENMILL_AVX2 1
@@ -30,13 +32,7 @@ namespace {
 constexpr int64_t kBlock = 32;   // weights per block (and activations per scale)
 constexpr int64_t kRowTile = 4;  // activation rows that share one unpacking of a weight block
 
-// Activation rows quantized to int8 per block of 32: q, the block's scale, and scale * sum(q) per `sub` weights
-// (the weights' shifts multiply these sums).
-struct QuantizedRows {
-  std::vector<int8_t> q;      // [rows, in]
-  std::vector<float> scale;   // [rows, in / 32]
-  std::vector<float> sums;    // [rows, in / sub]
-};
+using tokenmill::QuantizedRows;
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, int64_t sub) {
   const int64_t blocks = in / kBlock, groups = in / sub;
@@ -226,12 +222,24 @@ void matmul(const QuantizedRows& x, int64_t rows, int64_t in, const uint8_t* q, 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& shift, int64_t sub) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  const tokenmill::QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, x.size(1));
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
+  tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+tokenmill::QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales,
+                                                       const std::optional<at::Tensor>& shift, int64_t sub,
+                                                       int64_t in) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be a contiguous [out, in] matrix");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales must be contiguous fp32");
   const bool u4 = qweight.scalar_type() == at::kByte;
   TORCH_CHECK(u4 || qweight.scalar_type() == at::kChar, "qweight must be uint8 (4-bit) or int8");
   TORCH_CHECK(sub == 32 || (sub == 16 && !u4), "sub must be 32, or 16 for int8 weights");
-  const int64_t rows = x.size(0), in = x.size(1), out_features = qweight.size(0);
+  const int64_t out_features = qweight.size(0);
   TORCH_CHECK(in % kBlock == 0 && qweight.size(1) == (u4 ? in / 2 : in), "x and qweight disagree on in");
   TORCH_CHECK(scales.size(0) == out_features && scales.size(1) == in / sub, "scales must be [out, in / sub]");
   const float* shift_ptr = nullptr;
@@ -240,23 +248,20 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
                 "shift must be shaped and typed as scales");
     shift_ptr = shift->data_ptr<float>();
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), rows, in, sub);
-  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
-  const uint8_t* q = static_cast<const uint8_t*>(qweight.data_ptr());
-  const float* sc = scales.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  if (u4) {
-    matmul<true, 32>(xq, rows, in, q, sc, shift_ptr, dst, out_features);
-  } else if (sub == 32) {
-    matmul<false, 32>(xq, rows, in, q, sc, shift_ptr, dst, out_features);
-  } else {
-    matmul<false, 16>(xq, rows, in, q, sc, shift_ptr, dst, out_features);
-  }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return {static_cast<const uint8_t*>(qweight.data_ptr()), u4, scales.data_ptr<float>(), shift_ptr, sub, in,
+          out_features};
 }
 
-}  // namespace
+void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out) {
+  const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub);
+  if (w.u4) {
+    matmul<true, 32>(xq, rows, w.in, w.q, w.scales, w.shift, out, w.out);
+  } else if (w.sub == 32) {
+    matmul<false, 32>(xq, rows, w.in, w.q, w.scales, w.shift, out, w.out);
+  } else {
+    matmul<false, 16>(xq, rows, w.in, w.q, w.scales, w.shift, out, w.out);
+  }
+}
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub) -> Tensor");

@@ -100,14 +100,15 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return mixed[:, head, head // group]
 
 
-def _paged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
-           scale: float) -> torch.Tensor:
+def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float) -> torch.Tensor:
+    """Attention over the pool, this step's K/V already written to it."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]  # [blocks, block size, kv heads, dim]
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
     b = meta.num_decodes
+    if b == q.shape[0] and q.device.type == "cpu" and kernels.load():  # decodes only: the kernel's output is all
+        return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1),
+                                                          meta.decode_lengths, scale)
+    out = torch.empty_like(q)
     if b and q.device.type == "cpu" and kernels.load():  # read from the pool through the tables (kernels/)
         tables = meta.decode_tables.view(b, -1)
         out[:b] = torch.ops.tokenmill.paged_decode_attention(q[:b], k_cache, v_cache, tables, meta.decode_lengths,
@@ -149,5 +150,21 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, met
               scale: float) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv heads, dim] (this step's new tokens) -> [tokens, heads, dim]."""
     if isinstance(meta, PagedMetadata):
-        return _paged(layer, q, k, v, meta, scale)
+        k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+        return _attend_paged(layer, q, meta, scale)
     return _contiguous(layer, q, k, v, meta, scale)
+
+
+def fused_rotary_attention(layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                           meta: AttentionMetadata, heads: int, kv_heads: int, scale: float) -> torch.Tensor | None:
+    """attention() from the fused q|k|v projection [tokens, (heads + 2 kv heads) * dim], RoPE applied: one C++ op
+    rotates q and k and writes k and v to the pool (kernels/rope.cpp). None where it does not run (no kernels, not
+    a paged CPU pool): the caller takes the torch path."""
+    if not isinstance(meta, PagedMetadata) or qkv.device.type != "cpu" or not kernels.load():
+        return None
+    cos, sin = rope
+    q = torch.ops.tokenmill.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer],
+                                          meta.slot_mapping, heads, kv_heads)
+    return _attend_paged(layer, q, meta, scale)

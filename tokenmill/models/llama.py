@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import cast
+from typing import TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.errors import ModelFormatError
-from tokenmill.layers.attention import AttentionMetadata, attention
+from tokenmill.layers.attention import AttentionMetadata, PagedMetadata, attention, fused_rotary_attention
 from tokenmill.layers.linear import PackedLinear, prepack_linears
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.config import ModelConfig
 
@@ -44,7 +45,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if not self.qk_norm:
+            out = fused_rotary_attention(self.layer, qkv, rope, meta, self.num_heads, self.num_kv_heads, self.scale)
+            if out is not None:
+                return self.o_proj(out.view(tokens, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -63,7 +69,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp), not three ops
+            return self.down_proj(torch.ops.tokenmill.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -86,6 +95,25 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, rope, meta))
         return x, self.mlp(h)
 
+    def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """This layer's tensors as the fused decode kernel takes them (kernels/layer.cpp), and its matrices' weights
+        per scale; None where it cannot run the layer: a projection not kept quantized, q/k norms, fp16/bf16."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        if attn.qk_norm or any(n.dtype != torch.float32 for n in norms) or not all(
+                isinstance(m, QuantizedLinear) and (m.bias is None or m is attn.qkv_proj) for m in linears):
+            return None
+        none = torch.empty(0)
+
+        def parts(m: QuantizedLinear) -> list[torch.Tensor]:
+            return [m.weight.qweight, m.weight.scales, none if m.shift is None else m.shift]
+
+        qkv, o, gate_up, down = cast(tuple[QuantizedLinear, ...], linears)
+        weights = [norms[0], *parts(qkv), none if qkv.bias is None else qkv.bias, *parts(o), norms[1],
+                   *parts(gate_up), *parts(down)]
+        return weights, [m.weight.sub for m in (qkv, o, gate_up, down)]
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
@@ -94,14 +122,44 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, config.rope_freq_factors)
+        self.fused_decode: list[tuple[list[torch.Tensor], list[int]]] | None = None  # see fuse_decode_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         pending = None
-        for layer in self.layers:
-            x, pending = layer(x, pending, rope, meta)
+        if self.fused_decode is not None and _fused_decode_runs(meta, x):
+            pending = self._decode_fused(x, rope, meta)
+        else:
+            for layer in self.layers:
+                x, pending = layer(x, pending, rope, meta)
         return self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
+
+    def fuse_decode_layers(self) -> bool:
+        """Run decode steps' layers through the fused kernel, where every layer can (see decode_weights)."""
+        layers = [layer.decode_weights() for layer in self.layers]  # type: ignore[operator]
+        self.fused_decode = None if any(w is None for w in layers) else cast(list, layers)
+        return self.fused_decode is not None
+
+    def _decode_fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      meta: PagedMetadata) -> torch.Tensor:
+        """Every layer as one op each; x (the residual stream) is updated in place. Returns the last MLP output."""
+        first = cast(DecoderLayer, self.layers[0])
+        attn, eps = first.self_attn, first.input_layernorm.eps
+        cos, sin = rope
+        tables = meta.decode_tables.view(meta.num_decodes, -1)
+        pending = torch.empty(0)
+        for i, (weights, subs) in enumerate(cast(list, self.fused_decode)):
+            pending = torch.ops.tokenmill.decode_layer(
+                x, pending, weights, subs, cos, sin, meta.k_cache[i], meta.v_cache[i], meta.slot_mapping, tables,
+                meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale)
+        return pending
+
+
+def _fused_decode_runs(meta: AttentionMetadata, x: torch.Tensor) -> TypeGuard[PagedMetadata]:
+    """A decode step (one new token per sequence) on a paged fp32 pool, of fewer rows than the dense copies take."""
+    return (isinstance(meta, PagedMetadata) and meta.num_decodes == x.shape[0] < DENSE_FROM_ROWS
+            and x.dtype == torch.float32 and meta.k_cache.dtype == torch.float32)
 
 
 # Checkpoint tensors stacked (along dim 0, in this order) into one parameter, so that each group runs as one matmul.

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.linear import can_prepack, linear_of
@@ -38,9 +39,10 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                 dtype: torch.dtype, device: torch.device, max_positions: int, prepack: bool = True,
-                dense_budget: int = 0) -> CausalLM:
+                dense_budget: int = 0, fused_decode: bool = True) -> CausalLM:
     """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py).
-    dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none)."""
+    dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none).
+    fused_decode: decode steps run each layer as one C++ op where the weights are kept quantized (fp32, CPU)."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ModelFormatError(f"no model for architecture {config.architecture!r}")
@@ -53,6 +55,8 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
     _add_dense_copies(model, dtype, dense_budget)
     if prepack and can_prepack(device, dtype):
         model.prepack_weights()  # the dense copies too: they are Linears like the rest
+    if fused_decode and device.type == "cpu" and kernels.load() and model.model.fuse_decode_layers():
+        log.info("decode steps of fewer than %d rows run each layer as one fused op", DENSE_FROM_ROWS)
     return model.eval()
 
 

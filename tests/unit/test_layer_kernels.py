@@ -1,0 +1,125 @@
+"""The decoder layer's C++ pieces (kernels/rope.cpp) compute what the torch ops they replace compute, and a decode
+step through the fused layer (kernels/layer.cpp) gives the per-op layer's hidden states bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QType
+from helpers import tiny_metadata, tiny_tensors, write_gguf
+
+from tokenmill import kernels
+from tokenmill.cache.kv_cache import PagedKVCache
+from tokenmill.cache.sizing import KVSpec
+from tokenmill.layers.attention import SequenceSlice
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.loader import LoadedModel, load_model
+
+pytestmark = pytest.mark.skipif(not kernels.load() or not kernels.has_vector_kernels(),
+                                reason="the C++ kernels do not build here, or GGUF weights load dense")
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_rotates_q_and_k_and_writes_k_and_v_to_their_slots(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim = 5, 6, 2, 32
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim).to(dtype)
+    cos, sin = RotaryEmbedding(dim, 10000.0, 512)(torch.tensor([0, 3, 7, 100, 511]))
+    k_cache = torch.full((4, 16, kv_heads, dim), 7.0, dtype=dtype)
+    v_cache = torch.full_like(k_cache, 7.0)
+    slots = torch.tensor([1, 17, 63, 0, 40])
+    q = torch.ops.tokenmill.rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+    q_ref, k_ref, v_ref = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    assert q.dtype == dtype and q.shape == (n, heads, dim)
+    assert torch.allclose(q.float(), apply_rotary(q_ref.reshape(n, heads, dim), (cos, sin)).float(),
+                          atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    k_pool, v_pool = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    assert torch.allclose(k_pool[slots].float(), apply_rotary(k_ref.reshape(n, kv_heads, dim), (cos, sin)).float(),
+                          atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert torch.equal(v_pool[slots], v_ref.reshape(n, kv_heads, dim))  # values are copied, not rotated
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert (k_pool[untouched] == 7).all() and (v_pool[untouched] == 7).all()
+
+
+def test_rope_store_kv_refuses_a_slot_outside_the_pool() -> None:
+    k_cache = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="a slot outside the pool"):
+        torch.ops.tokenmill.rope_store_kv(torch.randn(1, 24), torch.ones(1, 4), torch.zeros(1, 4), k_cache,
+                                          torch.zeros_like(k_cache), torch.tensor([8]), 1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_silu_of_the_gate_times_up(dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(3, 2 * 40) * 4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    out = torch.ops.tokenmill.silu_mul(gate_up)
+    assert out.dtype == dtype and out.shape == (3, 40)
+    assert torch.allclose(out.float(), F.silu(gate) * up, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def write_model(path: Path, qtype: QType, bias: bool) -> Path:
+    """The tiny Llama of the tests (hidden 256, 4 heads of 64, 2 KV heads), quantized; with q/k/v biases (Qwen2's
+    projections) when asked."""
+    tensors = tiny_tensors(256)
+    if bias:
+        rng = np.random.default_rng(1)
+        for i in range(2):
+            for name, rows in (("q", 256), ("k", 128), ("v", 128)):
+                tensors[f"blk.{i}.attn_{name}.bias"] = (0.5 * rng.standard_normal(rows)).astype(np.float32)
+    return write_gguf(path, "qwen2" if bias else "llama", tiny_metadata(256), tensors, qtype=qtype)
+
+
+def decode_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Prefill each prompt on its own, then `steps` decode steps of every sequence together (one new token each,
+    ragged lengths, several KV blocks); the hidden states of each decode step."""
+    c = loaded.config
+    cache = PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype), loaded.device,
+                         num_blocks=32, block_size=16)
+    model = loaded.model
+    out = []
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            assert cache.reserve(i, len(prompt), len(prompt) + steps)
+            model(torch.tensor(prompt), torch.arange(len(prompt)), cache.prepare([SequenceSlice(i, 0, len(prompt))]))
+        for step in range(steps):
+            slices = [SequenceSlice(i, len(p) + step, 1) for i, p in enumerate(prompts)]
+            for i, p in enumerate(prompts):
+                assert cache.reserve(i, len(p) + step + 1, len(p) + steps)
+            ids = torch.tensor([(7 * step + i) % 250 + 3 for i in range(len(prompts))])
+            positions = torch.tensor([s.start for s in slices])
+            out.append(model(ids, positions, cache.prepare(slices)))
+    return out
+
+
+@pytest.mark.parametrize(("qtype", "bias"), [(QType.Q4_1, False), (QType.Q4_0, False), (QType.Q8_0, False),
+                                             (QType.Q6_K, False), (QType.Q4_K, True)],
+                         ids=lambda v: v.name if isinstance(v, QType) else f"bias={v}")
+def test_the_fused_decode_layer_equals_the_per_op_layer(tmp_path: Path, qtype: QType, bias: bool) -> None:
+    """Bit for bit: both run the same loops (norm, quantized matmul, RoPE, paged attention, SiLU) on the same
+    values. Q4_1: a shift per block; Q4_0: a zero point; Q8_0: int8 without shift; Q6_K: 16 weights a scale;
+    Q4_K with q/k/v biases."""
+    path = write_model(tmp_path / "m.gguf", qtype, bias)
+    fused = load_model(str(path), dtype="float32", device="cpu")
+    per_op = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
+    assert fused.model.model.fused_decode is not None and per_op.model.model.fused_decode is None
+    assert (fused.model.model.layers[0].self_attn.qkv_proj.bias is not None) == bias
+    runs = []
+    run_fused = fused.model.model._decode_fused
+    fused.model.model._decode_fused = lambda *args: runs.append(1) or run_fused(*args)
+    prompts = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
+    for ours, reference in zip(decode_steps(fused, prompts, 3), decode_steps(per_op, prompts, 3), strict=True):
+        assert torch.equal(ours, reference)
+    assert len(runs) == 3  # the decode steps, not the prefills
+
+
+def test_a_layer_it_cannot_run_keeps_the_per_op_path(tmp_path: Path) -> None:
+    """Dense weights (a GGUF loaded with --no-quantized-weights) and bf16 have no fused layer."""
+    path = write_model(tmp_path / "m.gguf", QType.Q4_1, bias=False)
+    assert load_model(str(path), dtype="float32", device="cpu", quantized=False).model.model.fused_decode is None
+    assert load_model(str(path), dtype="bfloat16", device="cpu").model.model.fused_decode is None

@@ -1,0 +1,53 @@
+// What the kernels share: the fused decoder layer (layer.cpp) calls the others' fp32 loops directly, without a
+// tensor or a dispatch between them.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace tokenmill {
+
+// Activation rows quantized to int8 per block of 32: q, the block's scale, and scale * sum(q) per `sub` weights
+// (the weights' shifts multiply these sums). quant.cpp.
+struct QuantizedRows {
+  std::vector<int8_t> q;      // [rows, in]
+  std::vector<float> scale;   // [rows, in / 32]
+  std::vector<float> sums;    // [rows, in / sub]
+};
+
+// A weight kept quantized (layers/quantized.py): w = scale * q + shift per `sub` weights.
+struct QuantizedMatrix {
+  const uint8_t* q;     // 4-bit: uint8 [out, in / 2]; else int8 [out, in]
+  bool u4;
+  const float* scales;  // [out, in / sub]
+  const float* shift;   // [out, in / sub] or nullptr
+  int64_t sub, in, out;
+};
+
+// The matrix of these tensors, checked against each other and against `in` inputs.
+QuantizedMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales,
+                                 const std::optional<at::Tensor>& shift, int64_t sub, int64_t in);
+// out[rows, w.out] = x[rows, w.in] @ dequantize(w).T
+void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out);
+
+// norm.cpp: out = rms_norm(x) * weight per row; with residual, x += residual first and the sum is normed.
+void rms_norm_rows(float* x, const float* residual, const float* weight, float* out, int64_t rows, int64_t dim,
+                   float eps);
+
+// rope.cpp: from q|k|v rows [n, (heads + 2 kv heads) * dim], q and k rotated (cos, sin: [n, dim / 2]); q to q_out
+// [n, heads, dim], k and v to their slots of one layer's pool [slots, kv heads, dim].
+void rope_store_kv_rows(const float* qkv, const float* cos, const float* sin, const int64_t* slots, float* q_out,
+                        float* k_cache, float* v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim);
+// rope.cpp: out[n, inter] = silu(gate) * up of gate_up [n, 2 * inter]
+void silu_mul_rows(const float* gate_up, float* out, int64_t n, int64_t inter);
+
+// attention.cpp: one query per sequence against its keys in the pool, read through its block table.
+void paged_decode_rows(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+                       const int64_t* lengths, float* out, int64_t seqs, int64_t heads, int64_t kv_heads,
+                       int64_t dim, int64_t block_size, int64_t width, float scale);
+
+}  // namespace tokenmill

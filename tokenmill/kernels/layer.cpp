@@ -1,0 +1,110 @@
+// A whole Llama decoder layer for a decode step (one new token per sequence, a few sequences), fp32, weights kept
+// quantized: norm, q|k|v projection, RoPE and the KV write, paged attention, output projection, norm, gate|up
+// projection, SiLU, down projection, all in one call. The per-op path costs ~12 dispatches and their allocations a
+// layer, ~30% of a one-stream step on a 2-core CPU (measured); here the steps are the other kernels' own loops
+// (cpu.h) over scratch buffers kept between calls. models/llama.py runs it where it applies and checks it against
+// the per-op layer.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "cpu.h"
+
+namespace {
+
+using tokenmill::QuantizedMatrix;
+
+// weights[first..first+2]: qweight, scales, shift (empty: none).
+QuantizedMatrix matrix(at::TensorList weights, size_t first, int64_t sub, int64_t in) {
+  const at::Tensor& shift = weights[first + 2];
+  return tokenmill::quantized_matrix(weights[first], weights[first + 1],
+                                     shift.numel() ? std::optional<at::Tensor>(shift) : std::nullopt, sub, in);
+}
+
+const float* f32(const at::Tensor& t, int64_t numel, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel, what,
+              " must be contiguous fp32 of ", numel, " values");
+  return t.data_ptr<float>();
+}
+
+// x: the residual stream [n, hidden], updated in place (+ pending, + attention output); pending: the previous
+// layer's MLP output not yet added, or empty in the first layer. weights: input norm; qkv qweight, scales, shift,
+// bias; o qweight, scales, shift; post-attention norm; gate_up qweight, scales, shift; down qweight, scales, shift
+// (an empty shift or bias: none). subs: the four matrices' weights per scale. Returns this layer's MLP output.
+at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights,
+                        at::IntArrayRef subs, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                        at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
+                        const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale) {
+  TORCH_CHECK(weights.size() == 15 && subs.size() == 4, "15 weight tensors and 4 subs");
+  TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
+  const int64_t n = x.size(0), hidden = x.size(1);
+  float* xs = const_cast<float*>(f32(x, n * hidden, "x"));
+  const float* pend = pending.numel() ? f32(pending, n * hidden, "pending") : nullptr;
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "the caches must be [blocks, block, kv, dim]");
+  const int64_t block_size = k_cache.size(1), dim = k_cache.size(3), pool = k_cache.numel();
+  TORCH_CHECK(k_cache.size(2) == kv_heads && heads % kv_heads == 0, "heads and the pool disagree");
+  float* kc = const_cast<float*>(f32(k_cache, pool, "k_cache"));
+  float* vc = const_cast<float*>(f32(v_cache, pool, "v_cache"));
+  const QuantizedMatrix qkv_w = matrix(weights, 1, subs[0], hidden);
+  const QuantizedMatrix o_w = matrix(weights, 5, subs[1], heads * dim);
+  const QuantizedMatrix gu_w = matrix(weights, 9, subs[2], hidden);
+  const int64_t inter = gu_w.out / 2;
+  const QuantizedMatrix down_w = matrix(weights, 12, subs[3], inter);
+  TORCH_CHECK(qkv_w.out == (heads + 2 * kv_heads) * dim && o_w.out == hidden && down_w.out == hidden,
+              "the projections' shapes disagree with the heads and the hidden size");
+  const float* norm1 = f32(weights[0], hidden, "the input norm");
+  const float* norm2 = f32(weights[8], hidden, "the post-attention norm");
+  const float* bias = weights[4].numel() ? f32(weights[4], qkv_w.out, "the qkv bias") : nullptr;
+  const float* c = f32(cos, n * dim / 2, "cos");
+  const float* s = f32(sin, n * dim / 2, "sin");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n, "one slot a token");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2 && tables.size(0) == n,
+              "one block table a token");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == n,
+              "one length a token");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t width = tables.size(1), num_slots = k_cache.size(0) * block_size;
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "a slot outside the pool");
+    TORCH_CHECK(len[t] > 0 && len[t] <= width * block_size, "a length outside its block table");
+  }
+
+  // Scratch kept between calls (this thread's; the engine runs the model on one thread).
+  thread_local std::vector<float> h, qkv, q, attn, o, gate_up, act;
+  h.resize(n * hidden);
+  qkv.resize(n * qkv_w.out);
+  q.resize(n * heads * dim);
+  attn.resize(n * heads * dim);
+  o.resize(n * hidden);
+  gate_up.resize(n * gu_w.out);
+  act.resize(n * inter);
+  at::Tensor out = at::empty({n, hidden}, x.options());
+
+  tokenmill::rms_norm_rows(xs, pend, norm1, h.data(), n, hidden, static_cast<float>(eps));
+  tokenmill::quantized_matmul(h.data(), n, qkv_w, qkv.data());
+  if (bias)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < qkv_w.out; ++j) qkv[t * qkv_w.out + j] += bias[j];
+  tokenmill::rope_store_kv_rows(qkv.data(), c, s, slot, q.data(), kc, vc, n, heads, kv_heads, dim);
+  tokenmill::paged_decode_rows(q.data(), kc, vc, tables.data_ptr<int64_t>(), len, attn.data(), n, heads, kv_heads,
+                               dim, block_size, width, static_cast<float>(scale));
+  tokenmill::quantized_matmul(attn.data(), n, o_w, o.data());
+  tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, static_cast<float>(eps));
+  tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data());
+  tokenmill::silu_mul_rows(gate_up.data(), act.data(), n, inter);
+  tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("decode_layer(Tensor(a!) x, Tensor pending, Tensor[] weights, int[] subs, Tensor cos, Tensor sin, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, "
+        "int kv_heads, float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layer", &decode_layer); }
