@@ -48,6 +48,10 @@ class EngineConfig:
     fused_decode_layers: bool = option(True, "on CPU, decode steps of fewer than 32 rows in fp32 with the weights "
                                              "kept quantized run each decoder layer as one C++ op (off: one op per "
                                              "norm, projection, RoPE, attention...)")
+    deterministic: bool = option(False, "same request, same tokens: each token's logits depend only on its own "
+                                        "request, never on the batch it shares, how its prompt was chunked or what "
+                                        "the prefix cache held (batch-invariant kernels; CPU with the C++ kernels, "
+                                        "paged KV; no dense weight copies)")
 
 
 @dataclass

@@ -9,6 +9,8 @@ import openai
 import pytest
 from helpers import ServerThread, assert_no_live_blocks, read_metrics
 
+from tokenmill import __version__
+
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -22,6 +24,7 @@ def stream_chat(client: openai.OpenAI, **kwargs) -> tuple[list, str]:
 
 def test_models_and_health(client: openai.OpenAI, server: ServerThread) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.list().data[0].model_extra["deterministic"] is False
     assert httpx.get(server.base_url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
 
 
@@ -43,6 +46,8 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 48
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
+    # The settings that decide the numbers, in every chunk and in the whole answer (test_deterministic_api.py: the mode)
+    assert {c.system_fingerprint for c in chunks} == {full.system_fingerprint} == {f"tokenmill-{__version__}-float32"}
     assert len({c.id for c in chunks}) == 1
 
 

@@ -179,10 +179,10 @@ def _message(text: str, tool_parser: type[ToolParser] | None, parallel: bool
 
 
 def chat_completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
-                    tk: Tokenizer, tool_parser: type[ToolParser] | None = None, parallel: bool = True
-                    ) -> dict[str, Any]:
+                    tk: Tokenizer, tool_parser: type[ToolParser] | None = None, parallel: bool = True,
+                    fingerprint: str | None = None) -> dict[str, Any]:
     """tool_parser: read the text for tool calls (the request has tools), in the model's format; parallel: all
-    the calls it wrote, else only the first (parallel_tool_calls)."""
+    the calls it wrote, else only the first (parallel_tool_calls); fingerprint: the system_fingerprint."""
     choices, completion_tokens = [], 0
     for index, outs in enumerate(results):
         text, logprobs, finish, n_tokens = _joined(outs)
@@ -197,11 +197,12 @@ def chat_completion(request_id: str, model: str, prompt_tokens: int, results: li
         })
     cached = results[0][-1].cached_tokens
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
+            "system_fingerprint": fingerprint, "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
 
 def completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
-               echoes: list[str], n: int, tk: Tokenizer) -> dict[str, Any]:
+               echoes: list[str], n: int, tk: Tokenizer, fingerprint: str | None = None) -> dict[str, Any]:
     choices, completion_tokens = [], 0
     for index, (outs, echo) in enumerate(zip(results, echoes, strict=True)):
         text, logprobs, finish, n_tokens = _joined(outs)
@@ -213,7 +214,8 @@ def completion(request_id: str, model: str, prompt_tokens: int, results: list[li
         })
     cached = _cached({i: outs[-1].cached_tokens for i, outs in enumerate(results)}, n)
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
+            "system_fingerprint": fingerprint, "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
 
 def embeddings(model: str, vectors: list[list[float]], prompt_tokens: int, encoding: str) -> dict[str, Any]:
@@ -226,13 +228,15 @@ def embeddings(model: str, vectors: list[list[float]], prompt_tokens: int, encod
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
-def _chunker(request_id: str, object_: str, model: str,
-             include_usage: bool) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
-    """Chunks of one stream share id, object, created and model; with include_usage each carries usage: null."""
+def _chunker(request_id: str, object_: str, model: str, include_usage: bool,
+             fingerprint: str | None) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    """Chunks of one stream share id, object, created, model and system_fingerprint; with include_usage each
+    carries usage: null."""
     created = int(time.time())
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {"id": request_id, "object": object_, "created": created, "model": model, "choices": choices}
+        body = {"id": request_id, "object": object_, "created": created, "model": model,
+                "system_fingerprint": fingerprint, "choices": choices}
         if include_usage:
             body["usage"] = None
         return body
@@ -255,10 +259,11 @@ def _tool_call_delta(delta: ToolCallDelta, call_ids: dict[int, str]) -> dict[str
 
 async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,
                       tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]],
-                      tool_parser: type[ToolParser] | None = None, parallel: bool = True
-                      ) -> AsyncIterator[dict[str, Any]]:
-    """tool_parser, parallel: as in chat_completion; calls stream as tool_calls deltas, the rest as content."""
-    chunk = _chunker(request_id, "chat.completion.chunk", model, include_usage)
+                      tool_parser: type[ToolParser] | None = None, parallel: bool = True,
+                      fingerprint: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    """tool_parser, parallel, fingerprint: as in chat_completion; calls stream as tool_calls deltas, the rest as
+    content."""
+    chunk = _chunker(request_id, "chat.completion.chunk", model, include_usage, fingerprint)
 
     started: set[int] = set()
     completion_tokens: dict[int, int] = {}
@@ -298,9 +303,9 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
 
 
 async def completion_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,
-                            tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]]
-                            ) -> AsyncIterator[dict[str, Any]]:
-    chunk = _chunker(request_id, "text_completion", model, include_usage)
+                            tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]],
+                            fingerprint: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    chunk = _chunker(request_id, "text_completion", model, include_usage, fingerprint)
 
     completion_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}

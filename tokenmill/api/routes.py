@@ -75,7 +75,7 @@ async def metrics(request: Request) -> Response:
 
 def _model_card(serving: Serving) -> dict[str, Any]:
     return {"id": serving.model_id, "object": "model", "created": serving.created, "owned_by": "tokenmill",
-            "max_model_len": serving.engine.max_model_len}
+            "max_model_len": serving.engine.max_model_len, "deterministic": serving.engine.config.deterministic}
 
 
 @router.get("/v1/models")
@@ -150,13 +150,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = responses.chat_chunks(request_id, serving.model_id, prompt_tokens, include_usage, body.n, tk,
-                                       merge(streams), tool_parser, body.parallel_tool_calls)
+                                       merge(streams), tool_parser, body.parallel_tool_calls,
+                                       serving.engine.system_fingerprint)
         return _sse_response(chunks, streams)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
         return Response(status_code=499)  # nobody is there to read it
     return responses.chat_completion(request_id, serving.model_id, prompt_tokens, results, tk, tool_parser,
-                                     body.parallel_tool_calls)
+                                     body.parallel_tool_calls, serving.engine.system_fingerprint)
 
 
 # A Responses request runs as a chat request: errors name the Responses field the chat field came from.
@@ -238,13 +239,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = responses.completion_chunks(request_id, serving.model_id, prompt_tokens, include_usage, body.n, tk,
-                                             merge(streams))
+                                             merge(streams), serving.engine.system_fingerprint)
         return _sse_response(chunks, streams)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
         return Response(status_code=499)
     echoes = [tk.decode(p) if body.echo else "" for p in prompts for _ in range(body.n)]
-    return responses.completion(request_id, serving.model_id, prompt_tokens, results, echoes, body.n, tk)
+    return responses.completion(request_id, serving.model_id, prompt_tokens, results, echoes, body.n, tk,
+                                serving.engine.system_fingerprint)
 
 
 @router.post("/v1/embeddings")

@@ -35,8 +35,10 @@ class KVSpec:
 
 class PagedKVCache:
     def __init__(self, spec: KVSpec, device: torch.device, num_blocks: int, block_size: int,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, per_row_attention: bool = False) -> None:
+        """per_row_attention (deterministic mode): every query row, prefill or decode, attends as a decode does."""
         self.block_size = block_size
+        self.per_row_attention = per_row_attention
         # Block 0 is the null block: never allocated, always zero, the padding of decode block tables. Masked
         # keys get zero attention weight, but 0 * NaN is NaN, so padding must never hold a stray NaN.
         self.pool = BlockPool(num_blocks, first_block=1)
@@ -110,20 +112,32 @@ class PagedKVCache:
         decodes = [s for s in slices if s.num_tokens == 1]
         num_decodes = len(decodes)
         assert all(s.num_tokens == 1 for s in slices[:num_decodes]), "decodes must lead the batch"
-        width = max((len(self.tables[s.seq_id]) for s in decodes), default=1)
-        tables = torch.zeros(num_decodes, width, dtype=torch.long)
+        tables = self._padded_tables(decodes)
         lengths = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long)
-        for i, s in enumerate(decodes):
-            table = self.tables[s.seq_id]
-            tables[i, : len(table)] = torch.tensor(table)
-        mask = torch.arange(width * bs)[None, :] < lengths[:, None]
+        mask = torch.arange(tables.shape[1] * bs)[None, :] < lengths[:, None]
         prefills = [(s, torch.tensor(self.tables[s.seq_id], device=self.device)) for s in slices[num_decodes:]]
+        row_tables = row_lengths = None
+        if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
+            rows_of = torch.tensor([s.num_tokens for s in slices])
+            row_tables = self._padded_tables(slices).repeat_interleave(rows_of, dim=0).to(self.device)
+            row_lengths = torch.tensor([p + 1 for s in slices for p in range(s.start, s.start + s.num_tokens)],
+                                       dtype=torch.long, device=self.device)
         return PagedMetadata(
             k_cache=self.k, v_cache=self.v, slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=num_decodes, decode_tables=tables.flatten().to(self.device),
             decode_lengths=lengths.to(self.device),
             decode_mask=mask[:, None, None, :].to(self.device), prefills=prefills,
+            row_tables=row_tables, row_lengths=row_lengths,
         )
+
+    def _padded_tables(self, slices: list[SequenceSlice]) -> torch.Tensor:
+        """[slices, longest table] block ids, padded with the null block."""
+        width = max((len(self.tables[s.seq_id]) for s in slices), default=1)
+        tables = torch.zeros(len(slices), width, dtype=torch.long)
+        for i, s in enumerate(slices):
+            table = self.tables[s.seq_id]
+            tables[i, : len(table)] = torch.tensor(table)
+        return tables
 
 
 class ContiguousKVCache:

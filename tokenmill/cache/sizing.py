@@ -47,7 +47,9 @@ def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max
         num_blocks = tokens // config.block_size
         if num_blocks < 1:
             raise ConfigError(f"KV memory of {budget} bytes holds no block of {config.block_size} tokens")
-        cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching)
+        cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, config.deterministic)
+    elif config.kv == "contiguous" and config.deterministic:
+        raise ConfigError("--deterministic needs --kv paged: its attention reads every row through the block tables")
     elif config.kv == "contiguous":
         if config.prefix_caching:
             log.info("prefix caching needs the paged layout: off with --kv contiguous")

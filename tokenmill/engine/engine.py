@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from tokenmill import __version__
 from tokenmill.cache.kv_cache import KVSpec
 from tokenmill.cache.sizing import build_kv_cache, parse_size
 from tokenmill.config import EngineConfig
@@ -68,8 +69,11 @@ class Engine:
                 torch.set_num_threads(c.threads)
             self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len, prepack=c.prepack_weights,
                                      quantized=c.quantized_weights, dense_budget=parse_size(c.dense_weights_budget),
-                                     fused_decode=c.fused_decode_layers)
+                                     fused_decode=c.fused_decode_layers, deterministic=c.deterministic)
         loaded = self.loaded
+        if loaded.deterministic != c.deterministic:
+            raise ConfigError(f"deterministic={c.deterministic} but the model was loaded with "
+                              f"deterministic={loaded.deterministic}")
         self.tokenizer = loaded.tokenizer
         self.tokenizer.token_bytes(0)  # its table is built here, not on the first request that asks for logprobs
         self.chat_template = loaded.chat_template
@@ -111,6 +115,14 @@ class Engine:
         self._stopping = True
         self._inbox.put(("stop", None))
         self._thread.join(timeout=10)
+
+    @property
+    def system_fingerprint(self) -> str:
+        """The API's system_fingerprint: the settings that decide a request's numbers (version, compute dtype,
+        deterministic mode); read once started."""
+        assert self.loaded is not None, "the engine has not loaded its model"
+        mode = "-deterministic" if self.config.deterministic else ""
+        return f"tokenmill-{__version__}-{str(self.loaded.dtype).removeprefix('torch.')}{mode}"
 
     @property
     def alive(self) -> bool:

@@ -35,6 +35,11 @@ class PagedMetadata:
     decode_lengths: torch.Tensor  # [decodes]: keys of each decoding sequence, its new token's included
     decode_mask: torch.Tensor  # [decodes, 1, 1, max blocks * block size]: True where a key exists
     prefills: list[tuple[SequenceSlice, torch.Tensor]]  # (slice, its block table), for the rest
+    # Deterministic mode: every row's block table [tokens, width] and key count (its position + 1), so that a
+    # prompt's rows attend through the decode kernel, whatever the chunking, and a row's result is the same bits
+    # whether it was prefilled or decoded.
+    row_tables: torch.Tensor | None = None
+    row_lengths: torch.Tensor | None = None
 
 
 @dataclass
@@ -105,6 +110,9 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]  # [blocks, block size, kv heads, dim]
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     b = meta.num_decodes
+    if meta.row_tables is not None:  # deterministic: one kernel for every row (checked at load: it is built)
+        return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.row_tables, meta.row_lengths,
+                                                          scale)
     if b == q.shape[0] and q.device.type == "cpu" and kernels.load():  # decodes only: the kernel's output is all
         return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1),
                                                           meta.decode_lengths, scale)

@@ -37,6 +37,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
+    deterministic: bool = False  # built batch-invariant (models/registry.py)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -80,10 +81,10 @@ def _weight_memory(model: CausalLM) -> str:
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                max_model_len_cap: int = 8192, prepack: bool = True, quantized: bool = True,
-               dense_budget: int = 0, fused_decode: bool = True) -> LoadedModel:
+               dense_budget: int = 0, fused_decode: bool = True, deterministic: bool = False) -> LoadedModel:
     """quantized: keep a GGUF's quantized matrices in their quantization (on CPU, where the kernels build), with
     dense copies for many-row steps where they fit dense_budget bytes; fused_decode: decode steps run each layer
-    of quantized weights as one C++ op."""
+    of quantized weights as one C++ op; deterministic: batch-invariant throughout (models/registry.py)."""
     path = resolve(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -113,9 +114,10 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
     chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)
     served_len = max_model_len or min(config.max_position_embeddings, max_model_len_cap)
-    net = build_model(config, weights, torch_dtype, dev, served_len, prepack, dense_budget, fused_decode)
+    net = build_model(config, weights, torch_dtype, dev, served_len, prepack, dense_budget, fused_decode, deterministic)
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d; weights %s", path.name,
              config.architecture, config.num_layers, torch_dtype, dev, time.perf_counter() - started, served_len,
              _weight_memory(net))
     return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer,
-                       chat_template=chat_template, dtype=torch_dtype, device=dev, max_model_len=served_len)
+                       chat_template=chat_template, dtype=torch_dtype, device=dev, max_model_len=served_len,
+                       deterministic=deterministic)

@@ -17,7 +17,7 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata, PagedMetadata, attention, fused_rotary_attention
-from tokenmill.layers.linear import PackedLinear, prepack_linears
+from tokenmill.layers.linear import PackedLinear, linear_of, make_row_invariant, prepack_linears
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -189,6 +189,12 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings and not hasattr(self, "lm_head"):
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
         prepack_linears(self)
+
+    def make_row_invariant(self) -> None:
+        """Deterministic mode: every dense matmul, the tied output head's too, on fixed row tiles."""
+        if not hasattr(self, "lm_head"):
+            self.lm_head = linear_of(self.model.embed_tokens.weight, None)
+        make_row_invariant(self)
 
     def _part_rows(self, fused: str) -> list[int]:
         """The rows each checkpoint tensor takes in a fused parameter, in _FUSED's order."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tokenmill import kernels
-from tokenmill.errors import ModelFormatError
+from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.linear import can_prepack, linear_of
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
@@ -39,25 +39,45 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                 dtype: torch.dtype, device: torch.device, max_positions: int, prepack: bool = True,
-                dense_budget: int = 0, fused_decode: bool = True) -> CausalLM:
+                dense_budget: int = 0, fused_decode: bool = True, deterministic: bool = False) -> CausalLM:
     """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py).
     dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none).
-    fused_decode: decode steps run each layer as one C++ op where the weights are kept quantized (fp32, CPU)."""
+    fused_decode: decode steps run each layer as one C++ op where the weights are kept quantized (fp32, CPU).
+    deterministic: each row's result depends on that row alone, whatever the batch (see check_deterministic)."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ModelFormatError(f"no model for architecture {config.architecture!r}")
+    if deterministic:
+        check_deterministic(device)
     with torch.device("meta"):  # no memory, no random init: the checkpoint's tensors become the parameters
         model = cls(config, max_positions)
     model.load_weights(weights, dtype, device)
     for module in model.modules():  # tables outside the state dict (non-persistent buffers), built where they run
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
-    _add_dense_copies(model, dtype, dense_budget)
+    if deterministic:  # the quantized kernel computes each row on its own; a dense copy's library would not
+        log.info("deterministic: every step runs the quantized kernels (no dense copies); dense matmuls on fixed "
+                 "row tiles; one attention kernel for prefill and decode")
+    else:
+        _add_dense_copies(model, dtype, dense_budget)
     if prepack and can_prepack(device, dtype):
         model.prepack_weights()  # the dense copies too: they are Linears like the rest
+    if deterministic:
+        model.make_row_invariant()
     if fused_decode and device.type == "cpu" and kernels.load() and model.model.fuse_decode_layers():
         log.info("decode steps of fewer than %d rows run each layer as one fused op", DENSE_FROM_ROWS)
     return model.eval()
+
+
+def check_deterministic(device: torch.device) -> None:
+    """Deterministic mode's kernels: the quantized matmul (each row in a fixed order of blocks), RMSNorm and RoPE
+    row by row, and one attention kernel for prefill and decode alike (a query against its keys in order from
+    position 0) are tokenmill's C++ kernels, on the CPU."""
+    if device.type != "cpu":
+        raise ConfigError(f"--deterministic runs on the CPU only (not {device}): its kernels are CPU kernels")
+    if not kernels.load():
+        raise ConfigError("--deterministic needs tokenmill's C++ kernels, which are unavailable here (the log says "
+                          "why): torch's own attention and matmuls are not batch-invariant")
 
 
 def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> None:
