@@ -43,6 +43,13 @@ def test_the_same_seeded_request_gets_the_same_answer_cold_cached_and_in_company
     assert {a.system_fingerprint for a in answers} == {f"tokenmill-{__version__}-float32-deterministic"}
 
 
+def test_n_choices_are_the_requests_of_seed_plus_i(client: openai.OpenAI) -> None:
+    both = client.chat.completions.create(**{**ASK, "n": 2})  # two sequences sharing every step
+    alone = [client.chat.completions.create(**{**ASK, "seed": ASK["seed"] + i}) for i in range(2)]
+    assert [c.message.content for c in both.choices] == [a.choices[0].message.content for a in alone]
+    assert both.choices[0].message.content != both.choices[1].message.content
+
+
 def test_streams_and_the_model_card_say_deterministic(client: openai.OpenAI) -> None:
     chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, stream=True))
     assert {c.system_fingerprint for c in chunks} == {f"tokenmill-{__version__}-float32-deterministic"}
