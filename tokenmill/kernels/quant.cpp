@@ -5,6 +5,9 @@
 // float multiply by the two scales. Decode reads each weight byte once per step: at one row the step is bound by
 // memory bandwidth, so 4.5 bits per weight instead of 32 is the gain.
 //
+// Where the CPU has AVX-512 VNNI (Zen 4 and 5, Sapphire Rapids and later), two blocks go through one 512-bit
+// vpdpbusd (u8 x i8 products summed straight to i32), half the instructions a block of the AVX2 path.
+//
 // Two weight formats (tokenmill/layers/quantized.py builds them from a GGUF file):
 //   4-bit: uint8 [out, in/2], block b of 32 weights in bytes 16b..16b+15, weight j in the low nibble of byte j and
 //          weight 16+j in its high nibble (Q4_0, Q4_1, Q4_K);
@@ -25,6 +28,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TOKENMILL_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define TOKENMILL_VNNI512 1
 #endif
 
 namespace {
@@ -110,7 +116,62 @@ void dot_tile(const uint8_t* wq, int64_t row_bytes, const float* wscale, int64_t
     xq[i] = x.q.data() + (r0 + i) * in;
     xs[i] = x.scale.data() + (r0 + i) * blocks;
   }
-#ifdef TOKENMILL_AVX2
+#if defined(TOKENMILL_VNNI512)
+  // Blocks b and b + 1 in one register, 128-bit lanes [b 0-15, b 16-31, b+1 0-15, b+1 16-31]; an odd last block
+  // runs with zeros in b + 1's half. int32 lanes 0-7 then hold b's products, 8-15 those of b + 1.
+  __m512 acc[M][N];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < N; ++i) acc[m][i] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const bool pair = b + 1 < blocks;
+    __m512i wu[M];
+    __mmask64 negative[M] = {};
+    __m512 ws[M];
+    for (int m = 0; m < M; ++m) {
+      const uint8_t* row = wq + m * row_bytes;
+      const float* scale = wscale + m * groups;
+      if constexpr (U4) {
+        const uint8_t* at = row + b * 16;
+        const __m256i packed = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                    : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+        const __m256i nibble = _mm256_set1_epi8(0x0F);
+        const __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
+                                                  _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble), 1);
+        wu[m] = _mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0));  // [lo b, hi b, lo b+1, hi b+1]
+      } else {  // vpdpbusd takes unsigned x signed: |w|, and the sign moves to x
+        const uint8_t* at = row + b * kBlock;
+        const __m512i w = pair ? _mm512_loadu_si512(at)
+                               : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+        wu[m] = _mm512_abs_epi8(w);
+        negative[m] = _mm512_movepi8_mask(w);
+      }
+      if constexpr (SUB == 32) {
+        ws[m] = _mm512_insertf32x8(_mm512_set1_ps(scale[b]), _mm256_set1_ps(pair ? scale[b + 1] : 0.f), 1);
+      } else {  // four scales of 16 weights, each over 4 int32 lanes
+        const __m128 four = pair ? _mm_loadu_ps(scale + 2 * b)
+                                 : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + 2 * b)));
+        ws[m] = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                      _mm512_castps128_ps512(four));
+      }
+    }
+    for (int i = 0; i < N; ++i) {
+      const int8_t* at = xq[i] + b * kBlock;
+      const __m512i xv = pair ? _mm512_loadu_si512(at)
+                              : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+      const __m512 xscale =
+          _mm512_insertf32x8(_mm512_set1_ps(xs[i][b]), _mm256_set1_ps(pair ? xs[i][b + 1] : 0.f), 1);
+      for (int m = 0; m < M; ++m) {
+        __m512i xm = xv;
+        if constexpr (!U4) xm = _mm512_mask_sub_epi8(xv, negative[m], zero, xv);
+        const __m512i sums = _mm512_dpbusd_epi32(zero, wu[m], xm);
+        acc[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(ws[m], xscale), acc[m][i]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < N; ++i) out[m * N + i] = _mm512_reduce_add_ps(acc[m][i]);
+#elif defined(TOKENMILL_AVX2)
   __m256 acc[M][N];
   for (int m = 0; m < M; ++m)
     for (int i = 0; i < N; ++i) acc[m][i] = _mm256_setzero_ps();
