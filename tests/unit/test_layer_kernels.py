@@ -1,5 +1,6 @@
 """The decoder layer's C++ pieces (kernels/rope.cpp) compute what the torch ops they replace compute, and a decode
-step through the fused layer (kernels/layer.cpp) gives the per-op layer's hidden states bit for bit."""
+step through the fused layer (kernels/layer.cpp) gives the per-op layer's hidden states bit for bit in fp32 (and
+within bf16's rounding on a bf16 model)."""
 
 from __future__ import annotations
 
@@ -75,12 +76,17 @@ def write_model(path: Path, qtype: QType, bias: bool) -> Path:
     return write_gguf(path, "qwen2" if bias else "llama", tiny_metadata(256), tensors, qtype=qtype)
 
 
-def decode_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    """Prefill each prompt on its own, then `steps` decode steps of every sequence together (one new token each,
-    ragged lengths, several KV blocks); the hidden states of each decode step."""
+def new_cache(loaded: LoadedModel) -> PagedKVCache:
     c = loaded.config
-    cache = PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype), loaded.device,
-                         num_blocks=32, block_size=16)
+    return PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype), loaded.device,
+                        num_blocks=32, block_size=16)
+
+
+def decode_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int,
+                 cache: PagedKVCache | None = None) -> list[torch.Tensor]:
+    """Prefill each prompt on its own, then `steps` decode steps of every sequence together (one new token each,
+    ragged lengths, several KV blocks) in `cache` (a new one if None); the hidden states of each decode step."""
+    cache = cache or new_cache(loaded)
     model = loaded.model
     out = []
     with torch.inference_mode():
@@ -118,8 +124,35 @@ def test_the_fused_decode_layer_equals_the_per_op_layer(tmp_path: Path, qtype: Q
     assert len(runs) == 3  # the decode steps, not the prefills
 
 
+def test_a_bf16_model_decodes_through_the_fused_layer_on_fp32_rows_and_its_bf16_pool(tmp_path: Path) -> None:
+    """The fused layer widens a bf16 model's residual stream to fp32 and reads and writes its bf16 KV pool: its
+    decode steps' hidden states and the keys and values they write stay within bf16's rounding of the fp32 model's
+    (one ulp of the largest hidden state is ~0.008), as close as the per-op bf16 layers' are."""
+    path = write_model(tmp_path / "m.gguf", QType.Q4_K, bias=True)
+    prompts = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
+    exact = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
+    fused = load_model(str(path), dtype="bfloat16", device="cpu")
+    per_op = load_model(str(path), dtype="bfloat16", device="cpu", fused_decode=False)
+    assert fused.model.model.fused_decode is not None
+    runs = []
+    run_fused = fused.model.model._decode_fused
+    fused.model.model._decode_fused = lambda *args: runs.append(1) or run_fused(*args)
+    caches = [new_cache(loaded) for loaded in (fused, per_op, exact)]
+    states = [decode_steps(loaded, prompts, 3, cache) for loaded, cache in zip((fused, per_op, exact), caches)]
+    assert len(runs) == 3 and all(h.dtype == torch.bfloat16 for h in states[0])
+    for ours, theirs, reference in zip(*states, strict=True):
+        error, per_op_error = ((h.float() - reference).abs().max().item() for h in (ours, theirs))
+        assert error < 0.02 and error <= 1.25 * per_op_error
+    for pool in ("k", "v"):
+        error, per_op_error = ((getattr(c, pool).float() - getattr(caches[2], pool)).abs().max().item()
+                               for c in caches[:2])
+        assert error <= 1.25 * per_op_error, pool
+
+
 def test_a_layer_it_cannot_run_keeps_the_per_op_path(tmp_path: Path) -> None:
-    """Dense weights (a GGUF loaded with --no-quantized-weights) and bf16 have no fused layer."""
+    """Dense weights (a GGUF loaded with --no-quantized-weights) have no fused layer, nor has deterministic bf16
+    (its fp32 residual stream would round otherwise than the per-op layers of a mixed step)."""
     path = write_model(tmp_path / "m.gguf", QType.Q4_1, bias=False)
     assert load_model(str(path), dtype="float32", device="cpu", quantized=False).model.model.fused_decode is None
-    assert load_model(str(path), dtype="bfloat16", device="cpu").model.model.fused_decode is None
+    deterministic = load_model(str(path), dtype="bfloat16", device="cpu", deterministic=True)
+    assert deterministic.model.model.fused_decode is None

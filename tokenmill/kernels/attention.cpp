@@ -17,8 +17,9 @@
 
 namespace {
 
-template <typename T>
-void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lengths, T* out,
+// q and out of T, the pool of KV (the fused layer's fp32 rows read a bf16 or fp16 pool).
+template <typename T, typename KV>
+void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lengths, T* out,
             int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t width,
             float scale) {
   const int64_t group = heads / kv_heads;
@@ -32,7 +33,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j) query[g * dim + j] = static_cast<float>(q[(s * heads + h * group + g) * dim + j]) * scale;
       for (int64_t p = 0; p < length; ++p) {
-        const T* key = k_cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+        const KV* key = k_cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query.data() + g * dim;
           float dot = 0.f;
@@ -52,7 +53,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
         }
       }
       for (int64_t p = 0; p < length; ++p) {
-        const T* value = v_cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+        const KV* value = v_cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
         for (int64_t g = 0; g < group; ++g) {
           const float weight = scores[g * length + p];
           float* a = acc.data() + g * dim;
@@ -88,7 +89,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     TORCH_CHECK(len[s] > 0 && len[s] <= width * block_size, "a length outside its block table");
   at::Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    decode<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      tables.data_ptr<int64_t>(), len, out.data_ptr<scalar_t>(), seqs, heads, kv_heads, dim,
                      block_size, width, static_cast<float>(scale));
   });
@@ -97,11 +98,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 }  // namespace
 
-void tokenmill::paged_decode_rows(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+template <typename KV>
+void tokenmill::paged_decode_rows(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* tables,
                                   const int64_t* lengths, float* out, int64_t seqs, int64_t heads, int64_t kv_heads,
                                   int64_t dim, int64_t block_size, int64_t width, float scale) {
-  decode<float>(q, k_cache, v_cache, tables, lengths, out, seqs, heads, kv_heads, dim, block_size, width, scale);
+  decode<float, KV>(q, k_cache, v_cache, tables, lengths, out, seqs, heads, kv_heads, dim, block_size, width, scale);
 }
+
+#define TOKENMILL_PAGED_DECODE_ROWS(KV)                                                                            \
+  template void tokenmill::paged_decode_rows<KV>(const float*, const KV*, const KV*, const int64_t*, const int64_t*, \
+                                                 float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);
+TOKENMILL_FOR_POOL_DTYPES(TOKENMILL_PAGED_DECODE_ROWS)
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lengths, "

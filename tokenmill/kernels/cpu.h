@@ -38,15 +38,21 @@ void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, fl
 void rms_norm_rows(float* x, const float* residual, const float* weight, float* out, int64_t rows, int64_t dim,
                    float eps);
 
+// The KV pool's dtypes the fused layer reads and writes (its rows are fp32 whatever the pool): KV is one of these
+// in rope_store_kv_rows and paged_decode_rows, instantiated in their files.
+#define TOKENMILL_FOR_POOL_DTYPES(_) _(float) _(at::BFloat16) _(at::Half)
+
 // rope.cpp: from q|k|v rows [n, (heads + 2 kv heads) * dim], q and k rotated (cos, sin: [n, dim / 2]); q to q_out
 // [n, heads, dim], k and v to their slots of one layer's pool [slots, kv heads, dim].
+template <typename KV>
 void rope_store_kv_rows(const float* qkv, const float* cos, const float* sin, const int64_t* slots, float* q_out,
-                        float* k_cache, float* v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim);
+                        KV* k_cache, KV* v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim);
 // rope.cpp: out[n, inter] = silu(gate) * up of gate_up [n, 2 * inter]
 void silu_mul_rows(const float* gate_up, float* out, int64_t n, int64_t inter);
 
 // attention.cpp: one query per sequence against its keys in the pool, read through its block table.
-void paged_decode_rows(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+template <typename KV>
+void paged_decode_rows(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* tables,
                        const int64_t* lengths, float* out, int64_t seqs, int64_t heads, int64_t kv_heads,
                        int64_t dim, int64_t block_size, int64_t width, float scale);
 

@@ -1,9 +1,9 @@
-// A whole Llama decoder layer for a decode step (one new token per sequence, a few sequences), fp32, weights kept
-// quantized: norm, q|k|v projection, RoPE and the KV write, paged attention, output projection, norm, gate|up
-// projection, SiLU, down projection, all in one call. The per-op path costs ~12 dispatches and their allocations a
-// layer, ~30% of a one-stream step on a 2-core CPU (measured); here the steps are the other kernels' own loops
-// (cpu.h) over scratch buffers kept between calls. models/llama.py runs it where it applies and checks it against
-// the per-op layer.
+// A whole Llama decoder layer for a decode step (one new token per sequence, a few sequences), fp32 rows (a bf16 or
+// fp16 KV pool is read and written as such), weights kept quantized: norm, q|k|v projection, RoPE and the KV
+// write, paged attention, output projection, norm, gate|up projection, SiLU, down projection, all in one call. The
+// per-op path costs ~12 dispatches and their allocations a layer, ~30% of a one-stream step on a 2-core CPU
+// (measured); here the steps are the other kernels' own loops (cpu.h) over scratch buffers kept between calls.
+// models/llama.py runs it where it applies and checks it against the per-op layer.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -29,6 +29,18 @@ const float* f32(const at::Tensor& t, int64_t numel, const char* what) {
   return t.data_ptr<float>();
 }
 
+// RoPE with the KV write, then attention, on a pool of KV.
+template <typename KV>
+void attend(const float* qkv, const float* cos, const float* sin, const int64_t* slots, float* q, at::Tensor& k_cache,
+            at::Tensor& v_cache, const int64_t* tables, const int64_t* lengths, float* out, int64_t n, int64_t heads,
+            int64_t kv_heads, int64_t width, float scale) {
+  KV* kc = static_cast<KV*>(k_cache.data_ptr());
+  KV* vc = static_cast<KV*>(v_cache.data_ptr());
+  const int64_t block_size = k_cache.size(1), dim = k_cache.size(3);
+  tokenmill::rope_store_kv_rows<KV>(qkv, cos, sin, slots, q, kc, vc, n, heads, kv_heads, dim);
+  tokenmill::paged_decode_rows<KV>(q, kc, vc, tables, lengths, out, n, heads, kv_heads, dim, block_size, width, scale);
+}
+
 // x: the residual stream [n, hidden], updated in place (+ pending, + attention output); pending: the previous
 // layer's MLP output not yet added, or empty in the first layer. weights: input norm; qkv qweight, scales, shift,
 // bias; o qweight, scales, shift; post-attention norm; gate_up qweight, scales, shift; down qweight, scales, shift
@@ -43,10 +55,10 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   float* xs = const_cast<float*>(f32(x, n * hidden, "x"));
   const float* pend = pending.numel() ? f32(pending, n * hidden, "pending") : nullptr;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "the caches must be [blocks, block, kv, dim]");
-  const int64_t block_size = k_cache.size(1), dim = k_cache.size(3), pool = k_cache.numel();
+  const int64_t block_size = k_cache.size(1), dim = k_cache.size(3);
   TORCH_CHECK(k_cache.size(2) == kv_heads && heads % kv_heads == 0, "heads and the pool disagree");
-  float* kc = const_cast<float*>(f32(k_cache, pool, "k_cache"));
-  float* vc = const_cast<float*>(f32(v_cache, pool, "v_cache"));
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the caches must be contiguous, of one dtype");
   const QuantizedMatrix qkv_w = matrix(weights, 1, subs[0], hidden);
   const QuantizedMatrix o_w = matrix(weights, 5, subs[1], heads * dim);
   const QuantizedMatrix gu_w = matrix(weights, 9, subs[2], hidden);
@@ -88,9 +100,24 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   if (bias)
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < qkv_w.out; ++j) qkv[t * qkv_w.out + j] += bias[j];
-  tokenmill::rope_store_kv_rows(qkv.data(), c, s, slot, q.data(), kc, vc, n, heads, kv_heads, dim);
-  tokenmill::paged_decode_rows(q.data(), kc, vc, tables.data_ptr<int64_t>(), len, attn.data(), n, heads, kv_heads,
-                               dim, block_size, width, static_cast<float>(scale));
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      attend<float>(qkv.data(), c, s, slot, q.data(), k_cache, v_cache, table, len, attn.data(), n, heads, kv_heads,
+                    width, sc);
+      break;
+    case at::kBFloat16:
+      attend<at::BFloat16>(qkv.data(), c, s, slot, q.data(), k_cache, v_cache, table, len, attn.data(), n, heads,
+                           kv_heads, width, sc);
+      break;
+    case at::kHalf:
+      attend<at::Half>(qkv.data(), c, s, slot, q.data(), k_cache, v_cache, table, len, attn.data(), n, heads,
+                       kv_heads, width, sc);
+      break;
+    default:
+      TORCH_CHECK(false, "the KV pool must be fp32, bf16 or fp16, not ", k_cache.scalar_type());
+  }
   tokenmill::quantized_matmul(attn.data(), n, o_w, o.data());
   tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, static_cast<float>(eps));
   tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data());

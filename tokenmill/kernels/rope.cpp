@@ -16,18 +16,19 @@
 
 namespace {
 
-template <typename T>
-void rotate(const T* x, const float* cos, const float* sin, T* out, int64_t half) {
+template <typename T, typename U>
+void rotate(const T* x, const float* cos, const float* sin, U* out, int64_t half) {
   for (int64_t j = 0; j < half; ++j) {
     const float a = static_cast<float>(x[j]), b = static_cast<float>(x[j + half]);
-    out[j] = static_cast<T>(a * cos[j] - b * sin[j]);
-    out[j + half] = static_cast<T>(b * cos[j] + a * sin[j]);
+    out[j] = static_cast<U>(a * cos[j] - b * sin[j]);
+    out[j + half] = static_cast<U>(b * cos[j] + a * sin[j]);
   }
 }
 
-template <typename T>
-void rope_store(const T* qkv, const float* cos, const float* sin, const int64_t* slots, T* q_out, T* k_cache,
-                T* v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim) {
+// qkv and q_out of T, the pool of KV.
+template <typename T, typename KV>
+void rope_store(const T* qkv, const float* cos, const float* sin, const int64_t* slots, T* q_out, KV* k_cache,
+                KV* v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
   at::parallel_for(0, n * (heads + kv_heads), 64, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
@@ -40,7 +41,7 @@ void rope_store(const T* qkv, const float* cos, const float* sin, const int64_t*
       const int64_t kv = h - heads, at = (slots[t] * kv_heads + kv) * dim;
       rotate(row + (heads + kv) * dim, cos + t * half, sin + t * half, k_cache + at, half);
       const T* value = row + (heads + kv_heads + kv) * dim;
-      for (int64_t j = 0; j < dim; ++j) v_cache[at + j] = value[j];
+      for (int64_t j = 0; j < dim; ++j) v_cache[at + j] = static_cast<KV>(value[j]);
     }
   });
 }
@@ -81,7 +82,7 @@ at::Tensor rope_store_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in, con
   for (int64_t t = 0; t < n; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "a slot outside the pool");
   at::Tensor q = at::empty({n, heads, dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store_kv", [&] {
-    rope_store<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slot,
+    rope_store<scalar_t, scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slot,
                          q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), n, heads,
                          kv_heads, dim);
   });
@@ -102,11 +103,17 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 
 }  // namespace
 
+template <typename KV>
 void tokenmill::rope_store_kv_rows(const float* qkv, const float* cos, const float* sin, const int64_t* slots,
-                                   float* q_out, float* k_cache, float* v_cache, int64_t n, int64_t heads,
+                                   float* q_out, KV* k_cache, KV* v_cache, int64_t n, int64_t heads,
                                    int64_t kv_heads, int64_t dim) {
-  rope_store<float>(qkv, cos, sin, slots, q_out, k_cache, v_cache, n, heads, kv_heads, dim);
+  rope_store<float, KV>(qkv, cos, sin, slots, q_out, k_cache, v_cache, n, heads, kv_heads, dim);
 }
+
+#define TOKENMILL_ROPE_STORE_KV_ROWS(KV)                                                                          \
+  template void tokenmill::rope_store_kv_rows<KV>(const float*, const float*, const float*, const int64_t*, float*, \
+                                                  KV*, KV*, int64_t, int64_t, int64_t, int64_t);
+TOKENMILL_FOR_POOL_DTYPES(TOKENMILL_ROPE_STORE_KV_ROWS)
 
 void tokenmill::silu_mul_rows(const float* gate_up, float* out, int64_t n, int64_t inter) {
   silu_mul_of<float>(gate_up, out, n, inter);

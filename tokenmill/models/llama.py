@@ -97,11 +97,12 @@ class DecoderLayer(nn.Module):
 
     def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """This layer's tensors as the fused decode kernel takes them (kernels/layer.cpp), and its matrices' weights
-        per scale; None where it cannot run the layer: a projection not kept quantized, q/k norms, fp16/bf16."""
+        per scale; None where it cannot run the layer: a projection not kept quantized, q/k norms. Its rows are fp32:
+        a bf16 or fp16 model's norms and bias are given as fp32 copies (a few KiB a layer)."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        if attn.qk_norm or any(n.dtype != torch.float32 for n in norms) or not all(
+        norms = (self.input_layernorm.weight.float(), self.post_attention_layernorm.weight.float())
+        if attn.qk_norm or not all(
                 isinstance(m, QuantizedLinear) and (m.bias is None or m is attn.qkv_proj) for m in linears):
             return None
         none = torch.empty(0)
@@ -110,7 +111,7 @@ class DecoderLayer(nn.Module):
             return [m.weight.qweight, m.weight.scales, none if m.shift is None else m.shift]
 
         qkv, o, gate_up, down = cast(tuple[QuantizedLinear, ...], linears)
-        weights = [norms[0], *parts(qkv), none if qkv.bias is None else qkv.bias, *parts(o), norms[1],
+        weights = [norms[0], *parts(qkv), none if qkv.bias is None else qkv.bias.float(), *parts(o), norms[1],
                    *parts(gate_up), *parts(down)]
         return weights, [m.weight.sub for m in (qkv, o, gate_up, down)]
 
@@ -129,7 +130,10 @@ class LlamaModel(nn.Module):
         rope = self.rotary(positions)
         pending = None
         if self.fused_decode is not None and _fused_decode_runs(meta, x):
+            # The fused layer's rows are fp32 (a bf16 model's residual stream widens for it, then narrows).
+            dtype, x = x.dtype, x.float()
             pending = self._decode_fused(x, rope, meta)
+            x, pending = x.to(dtype), pending.to(dtype)
         else:
             for layer in self.layers:
                 x, pending = layer(x, pending, rope, meta)
@@ -157,9 +161,8 @@ class LlamaModel(nn.Module):
 
 
 def _fused_decode_runs(meta: AttentionMetadata, x: torch.Tensor) -> TypeGuard[PagedMetadata]:
-    """A decode step (one new token per sequence) on a paged fp32 pool, of fewer rows than the dense copies take."""
-    return (isinstance(meta, PagedMetadata) and meta.num_decodes == x.shape[0] < DENSE_FROM_ROWS
-            and x.dtype == torch.float32 and meta.k_cache.dtype == torch.float32)
+    """A decode step (one new token per sequence) on a paged pool, of fewer rows than the dense copies take."""
+    return isinstance(meta, PagedMetadata) and meta.num_decodes == x.shape[0] < DENSE_FROM_ROWS
 
 
 # Checkpoint tensors stacked (along dim 0, in this order) into one parameter, so that each group runs as one matmul.

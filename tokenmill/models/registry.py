@@ -42,7 +42,7 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
                 dense_budget: int = 0, fused_decode: bool = True, deterministic: bool = False) -> CausalLM:
     """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py).
     dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none).
-    fused_decode: decode steps run each layer as one C++ op where the weights are kept quantized (fp32, CPU).
+    fused_decode: decode steps run each layer as one C++ op where the weights are kept quantized (CPU).
     deterministic: each row's result depends on that row alone, whatever the batch (see check_deterministic)."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
@@ -64,7 +64,10 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
         model.prepack_weights()  # the dense copies too: they are Linears like the rest
     if deterministic:
         model.make_row_invariant()
-    if fused_decode and device.type == "cpu" and kernels.load() and model.model.fuse_decode_layers():
+    # Deterministic bf16 stays per-op: the fused layer's fp32 residual stream would round otherwise than the per-op
+    # layers of a mixed step that holds the same sequence.
+    fuse = fused_decode and not (deterministic and dtype != torch.float32)
+    if fuse and device.type == "cpu" and kernels.load() and model.model.fuse_decode_layers():
         log.info("decode steps of fewer than %d rows run each layer as one fused op", DENSE_FROM_ROWS)
     return model.eval()
 
