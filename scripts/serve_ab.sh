@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side by side over HTTP, in interleaved rounds: tokenmill (default), tokenmill --no-quantized-weights,
 # tokenmill without its C++ kernels (TOKENMILL_NO_KERNELS=1), llama-server; one server at a time, 2 threads each.
-#   LLAMA_SERVER=path/to/llama-server bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
+#   LLAMA_SERVER=path/to/llama-server [SERVERS="tokenmill fp32 llama-server"] bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
 # Each server: 8 warm-up requests, then baseline (4 x 128 tokens), burst 8, burst 32 and a prefill probe
 # (4 prompts of 400 words, 2 tokens out); JSON reports in OUT as SERVER-rROUND-WORKLOAD.json, memory in OUT/rss.txt.
 # `tokenmill bench --compare A.json B.json` compares two of them.
@@ -11,21 +11,25 @@ ROUNDS=${2:-3}
 OUT=${3:-results}
 LS=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary (tokenmill/bench/README.md builds one)}
 TM=${TOKENMILL:-tokenmill}
+SERVERS=${SERVERS:-tokenmill dequantized no-kernels llama-server}  # any of start()'s names, in each round's order
 PORT=8123
 mkdir -p "$OUT"
+# Each server is exec'd by the background subshell, so $! is the server itself (what kill and rss() need).
 start() {
   case $1 in
-    tokenmill) $TM serve "$GGUF" --port $PORT --threads 2 ;;
-    dequantized) $TM serve "$GGUF" --port $PORT --threads 2 --no-quantized-weights ;;
-    no-kernels) TOKENMILL_NO_KERNELS=1 $TM serve "$GGUF" --port $PORT --threads 2 ;;
-    llama-server) $LS -m "$GGUF" -t 2 -np 32 -c 65536 --host 127.0.0.1 --port $PORT ;;
+    tokenmill) exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
+    fp32) exec $TM serve "$GGUF" --port $PORT --threads 2 --dtype float32 ;;
+    dequantized) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-quantized-weights ;;
+    no-kernels) TOKENMILL_NO_KERNELS=1 exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
+    llama-server) exec $LS -m "$GGUF" -t 2 -np 32 -c 65536 --host 127.0.0.1 --port $PORT ;;
+    *) echo "unknown server $1" >&2; exit 2 ;;
   esac > "$OUT/$1.log" 2>&1 &
   echo $!
 }
 rss() { grep -E "VmRSS|VmHWM" "/proc/$1/status" | awk '{printf "%s %d MiB ", $1, $2 / 1024}'; }
 for r in $(seq "$ROUNDS"); do
-  for s in tokenmill dequantized no-kernels llama-server; do
-    pid=$(start $s)
+  for s in $SERVERS; do
+    pid=$(start "$s")
     for _ in $(seq 180); do curl -sf 127.0.0.1:$PORT/health > /dev/null && break; sleep 1; done
     B="$TM bench --url http://127.0.0.1:$PORT/v1 --output-len 128 --ignore-eos"
     $B --workload burst --num-requests 8 --seed $((100 + r)) --warmup 0 > /dev/null
