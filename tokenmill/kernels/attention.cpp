@@ -44,7 +44,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // A row of the pool as fp32: the pool's own memory where it is fp32, else widened into buf (a bf16 is the top half
-// of an fp32: a shift the compiler vectorizes).
+// of an fp32: a shift, in vector registers).
 template <typename KV>
 const float* widen(const KV* row, float* buf, int64_t n) {
   for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<float>(row[j]);
@@ -55,7 +55,19 @@ inline const float* widen(const float* row, float*, int64_t) { return row; }
 
 inline const float* widen(const at::BFloat16* row, float* buf, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j));
+    _mm512_storeu_si512(buf + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+#elif defined(__AVX2__)
+  for (; j + 8 <= n; j += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + j));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + j), _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+#endif
+  for (; j < n; ++j) {
     const uint32_t wide = static_cast<uint32_t>(bits[j]) << 16;
     std::memcpy(buf + j, &wide, sizeof(float));
   }
