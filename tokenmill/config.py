@@ -45,9 +45,9 @@ class EngineConfig:
     dense_weights_budget: str = option("1GiB", "memory that dense copies of the quantized weights may take, for steps "
                                                "of many rows (prefill, large batches) where dense matmuls are faster; "
                                                "beyond it (or 0) every step runs the quantized kernels")
-    fused_decode_layers: bool = option(True, "on CPU, decode steps of fewer than 32 rows in fp32 with the weights "
-                                             "kept quantized run each decoder layer as one C++ op (off: one op per "
-                                             "norm, projection, RoPE, attention...)")
+    fused_decode_layers: bool = option(True, "on CPU, decode steps of fewer than 32 rows with the weights kept "
+                                             "quantized run each decoder layer as one C++ op on fp32 rows, whatever "
+                                             "the dtype (off: one op per norm, projection, RoPE, attention...)")
     deterministic: bool = option(False, "same request, same tokens: each token's logits depend only on its own "
                                         "request, never on the batch it shares, how its prompt was chunked or what "
                                         "the prefix cache held (batch-invariant kernels; CPU with the C++ kernels, "
