@@ -137,8 +137,9 @@ def test_a_bf16_model_decodes_through_the_fused_layer_on_fp32_rows_and_its_bf16_
     runs = []
     run_fused = fused.model.model._decode_fused
     fused.model.model._decode_fused = lambda *args: runs.append(1) or run_fused(*args)
-    caches = [new_cache(loaded) for loaded in (fused, per_op, exact)]
-    states = [decode_steps(loaded, prompts, 3, cache) for loaded, cache in zip((fused, per_op, exact), caches)]
+    models = (fused, per_op, exact)
+    caches = [new_cache(loaded) for loaded in models]
+    states = [decode_steps(loaded, prompts, 3, cache) for loaded, cache in zip(models, caches, strict=True)]
     assert len(runs) == 3 and all(h.dtype == torch.bfloat16 for h in states[0])
     for ours, theirs, reference in zip(*states, strict=True):
         error, per_op_error = ((h.float() - reference).abs().max().item() for h in (ours, theirs))
