@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import sys
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,7 @@ import pytest
 from helpers import ServerThread
 
 from tokenmill import cli
-from tokenmill.bench import client, report
+from tokenmill.bench import agree, client, report
 from tokenmill.bench.workloads import WORDS_PER_TOKEN, WorkloadParams, build, synthetic_text
 from tokenmill.loader import load_model
 
@@ -161,3 +162,16 @@ def test_long_prompt_delay_and_the_prefill_stall_figures(server: ServerThread) -
     before, during = summary["itl_ms_before_long_prefill"], summary["itl_ms_during_long_prefill"]
     assert before["p50"] is not None and before["p50"] > 0
     assert set(during) == {"mean", "p50", "p90", "p99"}
+
+
+def test_agree_reports_where_two_servers_answers_part(server: ServerThread, tiny_gguf: Path,
+                                                      capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    assert agree.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert agree.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert agree.first_difference([1, 2], [1, 2, 3]) == 2
+    monkeypatch.setattr(sys, "argv", ["agree", str(tiny_gguf), "--url", server.base_url, "--url", server.base_url,
+                                      "--max-tokens", "8"])
+    agree.main()
+    out = capsys.readouterr().out
+    assert "same answers: 8 of 8" in out and out.count(" same\n") == 8
