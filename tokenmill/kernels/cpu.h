@@ -19,18 +19,19 @@ struct QuantizedRows {
   std::vector<float> sums;    // [rows, in / sub]
 };
 
-// A weight kept quantized (layers/quantized.py): w = scale * q + shift per `sub` weights.
+// A weight kept quantized (layers/quantized.py): w = scale * (q - zero) + shift per `sub` weights.
 struct QuantizedMatrix {
   const uint8_t* q;     // 4-bit: uint8 [out, in / 2]; else int8 [out, in]
   bool u4;
   const float* scales;  // [out, in / sub]
   const float* shift;   // [out, in / sub] or nullptr
+  int64_t zero;         // Q4_0: 8; else 0
   int64_t sub, in, out;
 };
 
 // The matrix of these tensors, checked against each other and against `in` inputs.
 QuantizedMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales,
-                                 const std::optional<at::Tensor>& shift, int64_t sub, int64_t in);
+                                 const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero, int64_t in);
 // out[rows, w.out] = x[rows, w.in] @ dequantize(w).T
 void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out);
 

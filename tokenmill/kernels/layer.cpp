@@ -16,11 +16,12 @@ namespace {
 
 using tokenmill::QuantizedMatrix;
 
-// weights[first..first+2]: qweight, scales, shift (empty: none).
-QuantizedMatrix matrix(at::TensorList weights, size_t first, int64_t sub, int64_t in) {
+// weights[first..first+2]: qweight, scales, shift (empty: none); layouts[i], layouts[4 + i]: its sub and zero point.
+QuantizedMatrix matrix(at::TensorList weights, size_t first, at::IntArrayRef layouts, size_t i, int64_t in) {
   const at::Tensor& shift = weights[first + 2];
   return tokenmill::quantized_matrix(weights[first], weights[first + 1],
-                                     shift.numel() ? std::optional<at::Tensor>(shift) : std::nullopt, sub, in);
+                                     shift.numel() ? std::optional<at::Tensor>(shift) : std::nullopt, layouts[i],
+                                     layouts[4 + i], in);
 }
 
 const float* f32(const at::Tensor& t, int64_t numel, const char* what) {
@@ -44,12 +45,13 @@ void attend(const float* qkv, const float* cos, const float* sin, const int64_t*
 // x: the residual stream [n, hidden], updated in place (+ pending, + attention output); pending: the previous
 // layer's MLP output not yet added, or empty in the first layer. weights: input norm; qkv qweight, scales, shift,
 // bias; o qweight, scales, shift; post-attention norm; gate_up qweight, scales, shift; down qweight, scales, shift
-// (an empty shift or bias: none). subs: the four matrices' weights per scale. Returns this layer's MLP output.
+// (an empty shift or bias: none). layouts: the four matrices' weights per scale, then their zero points. Returns
+// this layer's MLP output.
 at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights,
-                        at::IntArrayRef subs, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                        at::IntArrayRef layouts, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
                         const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale) {
-  TORCH_CHECK(weights.size() == 15 && subs.size() == 4, "15 weight tensors and 4 subs");
+  TORCH_CHECK(weights.size() == 15 && layouts.size() == 8, "15 weight tensors, 4 subs and 4 zero points");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t n = x.size(0), hidden = x.size(1);
   float* xs = const_cast<float*>(f32(x, n * hidden, "x"));
@@ -59,11 +61,11 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   TORCH_CHECK(k_cache.size(2) == kv_heads && heads % kv_heads == 0, "heads and the pool disagree");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the caches must be contiguous, of one dtype");
-  const QuantizedMatrix qkv_w = matrix(weights, 1, subs[0], hidden);
-  const QuantizedMatrix o_w = matrix(weights, 5, subs[1], heads * dim);
-  const QuantizedMatrix gu_w = matrix(weights, 9, subs[2], hidden);
+  const QuantizedMatrix qkv_w = matrix(weights, 1, layouts, 0, hidden);
+  const QuantizedMatrix o_w = matrix(weights, 5, layouts, 1, heads * dim);
+  const QuantizedMatrix gu_w = matrix(weights, 9, layouts, 2, hidden);
   const int64_t inter = gu_w.out / 2;
-  const QuantizedMatrix down_w = matrix(weights, 12, subs[3], inter);
+  const QuantizedMatrix down_w = matrix(weights, 12, layouts, 3, inter);
   TORCH_CHECK(qkv_w.out == (heads + 2 * kv_heads) * dim && o_w.out == hidden && down_w.out == hidden,
               "the projections' shapes disagree with the heads and the hidden size");
   const float* norm1 = f32(weights[0], hidden, "the input norm");
@@ -129,7 +131,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("decode_layer(Tensor(a!) x, Tensor pending, Tensor[] weights, int[] subs, Tensor cos, Tensor sin, "
+  m.def("decode_layer(Tensor(a!) x, Tensor pending, Tensor[] weights, int[] layouts, Tensor cos, Tensor sin, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, "
         "int kv_heads, float eps, float scale) -> Tensor");
 }

@@ -12,8 +12,9 @@
 //   4-bit: uint8 [out, in/2], block b of 32 weights in bytes 16b..16b+15, weight j in the low nibble of byte j and
 //          weight 16+j in its high nibble (Q4_0, Q4_1, Q4_K);
 //   8-bit: int8 [out, in] (Q8_0, Q6_K, Q5_*);
-// w = scale * q + shift, scale and shift fp32 per `sub` = 32 (or 16, 8-bit only) weights; the shift (a min, or a
-// zero point times the scale) may be absent. Without AVX2 the same arithmetic runs as plain loops.
+// w = scale * (q - zero) + shift, scale and shift fp32 per `sub` = 32 (or 16, 8-bit only) weights; the shift (a
+// min) may be absent, the zero point (Q4_0's 8) is one integer for the matrix: computed from the scales, never
+// stored (a shift array of -8 * scale was a third more bytes than Q4_0's own blocks). Without AVX2 the same arithmetic runs as plain loops.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -247,7 +248,7 @@ void dot_rows(const uint8_t* wq, int64_t row_bytes, const float* wscale, int64_t
 
 template <bool U4, int SUB>
 void matmul(const QuantizedRows& x, int64_t rows, int64_t in, const uint8_t* q, const float* scales,
-            const float* shift, float* out, int64_t out_features) {
+            const float* shift, int64_t zero, float* out, int64_t out_features) {
   const int64_t row_bytes = U4 ? in / 2 : in;
   const int64_t groups = in / SUB;
   constexpr int64_t kPair = 2;  // weight rows per tile
@@ -270,7 +271,8 @@ void matmul(const QuantizedRows& x, int64_t rows, int64_t in, const uint8_t* q, 
         for (int64_t w = 0; w < m; ++w) {
           for (int64_t i = 0; i < n; ++i) {
             const float* sums = x.sums.data() + (r0 + i) * groups;
-            const float tail = shift ? dot(shift + (o + w) * groups, sums, groups) : 0.f;
+            float tail = shift ? dot(shift + (o + w) * groups, sums, groups) : 0.f;
+            if (zero) tail -= static_cast<float>(zero) * dot(scales + (o + w) * groups, sums, groups);
             out[(r0 + i) * out_features + o + w] = dots[w * n + i] + tail;
           }
         }
@@ -279,11 +281,11 @@ void matmul(const QuantizedRows& x, int64_t rows, int64_t in, const uint8_t* q, 
   });
 }
 
-// w = scale * q + shift per `sub` weights: q 4-bit (uint8, two a byte) or int8; shift optional.
+// w = scale * (q - zero) + shift per `sub` weights: q 4-bit (uint8, two a byte) or int8; shift optional.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                            const std::optional<at::Tensor>& shift, int64_t sub) {
+                            const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
-  const tokenmill::QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, x.size(1));
+  const tokenmill::QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, x.size(1));
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
   tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>());
@@ -294,7 +296,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
 
 tokenmill::QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales,
                                                        const std::optional<at::Tensor>& shift, int64_t sub,
-                                                       int64_t in) {
+                                                       int64_t zero, int64_t in) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be a contiguous [out, in] matrix");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales must be contiguous fp32");
   const bool u4 = qweight.scalar_type() == at::kByte;
@@ -309,23 +311,24 @@ tokenmill::QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight
                 "shift must be shaped and typed as scales");
     shift_ptr = shift->data_ptr<float>();
   }
-  return {static_cast<const uint8_t*>(qweight.data_ptr()), u4, scales.data_ptr<float>(), shift_ptr, sub, in,
+  TORCH_CHECK(zero >= 0 && zero < 256, "the zero point must be a weight value");
+  return {static_cast<const uint8_t*>(qweight.data_ptr()), u4, scales.data_ptr<float>(), shift_ptr, zero, sub, in,
           out_features};
 }
 
 void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out) {
   const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub);
   if (w.u4) {
-    matmul<true, 32>(xq, rows, w.in, w.q, w.scales, w.shift, out, w.out);
+    matmul<true, 32>(xq, rows, w.in, w.q, w.scales, w.shift, w.zero, out, w.out);
   } else if (w.sub == 32) {
-    matmul<false, 32>(xq, rows, w.in, w.q, w.scales, w.shift, out, w.out);
+    matmul<false, 32>(xq, rows, w.in, w.q, w.scales, w.shift, w.zero, out, w.out);
   } else {
-    matmul<false, 16>(xq, rows, w.in, w.q, w.scales, w.shift, out, w.out);
+    matmul<false, 16>(xq, rows, w.in, w.q, w.scales, w.shift, w.zero, out, w.out);
   }
 }
 
 TORCH_LIBRARY(tokenmill, m) {
-  m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub) -> Tensor");
+  m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("quantized_linear", &quantized_linear); }

@@ -83,16 +83,13 @@ class QuantizedLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.dense: nn.Module | None = None  # a dequantized (prepacked) copy for many-row steps, memory allowing
-        # The kernel reads w = scale * q + shift: the zero point folds into the shift (Q4_0: -8 * scale).
-        mins = 0 if weight.mins is None else weight.mins
-        self.shift = weight.mins if not weight.zero else mins - weight.zero * weight.scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, in] -> [rows, out]."""
         if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
             return self.dense(x)
         w = self.weight
-        out = torch.ops.tokenmill.quantized_linear(x, w.qweight, w.scales, self.shift, w.sub)
+        out = torch.ops.tokenmill.quantized_linear(x, w.qweight, w.scales, w.mins, w.sub, w.zero)
         return out if self.bias is None else out + self.bias
 
 

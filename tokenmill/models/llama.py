@@ -97,8 +97,8 @@ class DecoderLayer(nn.Module):
 
     def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """This layer's tensors as the fused decode kernel takes them (kernels/layer.cpp), and its matrices' weights
-        per scale; None where it cannot run the layer: a projection not kept quantized, q/k norms. Its rows are fp32:
-        a bf16 or fp16 model's norms and bias are given as fp32 copies (a few KiB a layer)."""
+        per scale, then their zero points; None where it cannot run the layer: a projection not kept quantized, q/k
+        norms. Its rows are fp32: a bf16 or fp16 model's norms and bias are given as fp32 copies (a few KiB a layer)."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (self.input_layernorm.weight.float(), self.post_attention_layernorm.weight.float())
@@ -108,12 +108,13 @@ class DecoderLayer(nn.Module):
         none = torch.empty(0)
 
         def parts(m: QuantizedLinear) -> list[torch.Tensor]:
-            return [m.weight.qweight, m.weight.scales, none if m.shift is None else m.shift]
+            return [m.weight.qweight, m.weight.scales, none if m.weight.mins is None else m.weight.mins]
 
         qkv, o, gate_up, down = cast(tuple[QuantizedLinear, ...], linears)
         weights = [norms[0], *parts(qkv), none if qkv.bias is None else qkv.bias.float(), *parts(o), norms[1],
                    *parts(gate_up), *parts(down)]
-        return weights, [m.weight.sub for m in (qkv, o, gate_up, down)]
+        matrices = (qkv, o, gate_up, down)
+        return weights, [m.weight.sub for m in matrices] + [m.weight.zero for m in matrices]
 
 
 class LlamaModel(nn.Module):
@@ -153,9 +154,9 @@ class LlamaModel(nn.Module):
         cos, sin = rope
         tables = meta.decode_tables.view(meta.num_decodes, -1)
         pending = torch.empty(0)
-        for i, (weights, subs) in enumerate(cast(list, self.fused_decode)):
+        for i, (weights, layouts) in enumerate(cast(list, self.fused_decode)):
             pending = torch.ops.tokenmill.decode_layer(
-                x, pending, weights, subs, cos, sin, meta.k_cache[i], meta.v_cache[i], meta.slot_mapping, tables,
+                x, pending, weights, layouts, cos, sin, meta.k_cache[i], meta.v_cache[i], meta.slot_mapping, tables,
                 meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale)
         return pending
 
