@@ -160,6 +160,26 @@ def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int,
         assert torch.allclose(linear(x), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
+@serves_quantized
+def test_over_the_budget_long_steps_dequantize_each_matrix_for_its_matmul(tmp_path: Path) -> None:
+    """Without dense copies, steps of dequantize_from_rows rows or more multiply by a transient dequantized matrix
+    (the kernel's 8-bit activations round otherwise: the two results are told apart); deterministic mode never."""
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
+    loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=0, dequantize_from_rows=64)
+    linear = loaded.model.model.layers[0].mlp.down_proj
+    assert isinstance(linear, QuantizedLinear) and linear.dense is None and linear.dequantize_from_rows == 64
+    for rows in (63, 64):
+        x = torch.randn(rows, linear.weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        dense = x @ linear.weight.dequantize().T
+        kernel = emulated(x, linear.weight).float()
+        assert not torch.allclose(dense, kernel, rtol=1e-5, atol=1e-5 * float(dense.abs().max()))
+        expected = dense if rows >= 64 else kernel
+        assert torch.allclose(linear(x), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    deterministic = load_model(str(path), dtype="float32", device="cpu", dense_budget=0, dequantize_from_rows=64,
+                               deterministic=True)
+    assert all(m.dequantize_from_rows == 0 for m in deterministic.model.modules() if isinstance(m, QuantizedLinear))
+
+
 @needs_kernels
 def test_a_cpu_without_avx2_gets_dense_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:

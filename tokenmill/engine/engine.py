@@ -69,7 +69,8 @@ class Engine:
                 torch.set_num_threads(c.threads)
             self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len, prepack=c.prepack_weights,
                                      quantized=c.quantized_weights, dense_budget=parse_size(c.dense_weights_budget),
-                                     fused_decode=c.fused_decode_layers, deterministic=c.deterministic)
+                                     dequantize_from_rows=c.dequantize_from_rows, fused_decode=c.fused_decode_layers,
+                                     deterministic=c.deterministic)
         loaded = self.loaded
         if loaded.deterministic != c.deterministic:
             raise ConfigError(f"deterministic={c.deterministic} but the model was loaded with "

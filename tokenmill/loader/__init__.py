@@ -81,9 +81,11 @@ def _weight_memory(model: CausalLM) -> str:
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                max_model_len_cap: int = 8192, prepack: bool = True, quantized: bool = True,
-               dense_budget: int = 0, fused_decode: bool = True, deterministic: bool = False) -> LoadedModel:
+               dense_budget: int = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
+               deterministic: bool = False) -> LoadedModel:
     """quantized: keep a GGUF's quantized matrices in their quantization (on CPU, where the kernels build), with
-    dense copies for many-row steps where they fit dense_budget bytes; fused_decode: decode steps run each layer
+    dense copies for many-row steps where they fit dense_budget bytes (else, steps of dequantize_from_rows rows or
+    more dequantize each matrix for its matmul; 0: never); fused_decode: decode steps run each layer
     of quantized weights as one C++ op; deterministic: batch-invariant throughout (models/registry.py)."""
     path = resolve(model)
     dev = resolve_device(device)
@@ -114,7 +116,8 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
     chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)
     served_len = max_model_len or min(config.max_position_embeddings, max_model_len_cap)
-    net = build_model(config, weights, torch_dtype, dev, served_len, prepack, dense_budget, fused_decode, deterministic)
+    net = build_model(config, weights, torch_dtype, dev, served_len, prepack, dense_budget, dequantize_from_rows,
+                      fused_decode, deterministic)
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d; weights %s", path.name,
              config.architecture, config.num_layers, torch_dtype, dev, time.perf_counter() - started, served_len,
              _weight_memory(net))

@@ -39,9 +39,11 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                 dtype: torch.dtype, device: torch.device, max_positions: int, prepack: bool = True,
-                dense_budget: int = 0, fused_decode: bool = True, deterministic: bool = False) -> CausalLM:
+                dense_budget: int = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
+                deterministic: bool = False) -> CausalLM:
     """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py).
-    dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none).
+    dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none);
+    dequantize_from_rows: without them, steps of this many rows or more dequantize each matrix for its matmul.
     fused_decode: decode steps run each layer as one C++ op where the weights are kept quantized (CPU).
     deterministic: each row's result depends on that row alone, whatever the batch (see check_deterministic)."""
     cls = MODEL_CLASSES.get(config.architecture)
@@ -59,7 +61,7 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
         log.info("deterministic: every step runs the quantized kernels (no dense copies); dense matmuls on fixed "
                  "row tiles; one attention kernel for prefill and decode")
     else:
-        _add_dense_copies(model, dtype, dense_budget)
+        _add_dense_copies(model, dtype, dense_budget, dequantize_from_rows)
     if prepack and can_prepack(device, dtype):
         model.prepack_weights()  # the dense copies too: they are Linears like the rest
     if deterministic:
@@ -83,14 +85,18 @@ def check_deterministic(device: torch.device) -> None:
                           "why): torch's own attention and matmuls are not batch-invariant")
 
 
-def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> None:
+def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int, dequantize_from_rows: int) -> None:
     quantized = {id(m): m for m in model.modules() if isinstance(m, QuantizedLinear)}.values()
     if not quantized:
         return
     needed = sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
     if needed > budget:
+        for module in quantized:
+            module.dequantize_from_rows = dequantize_from_rows
+        after = f"; steps of {dequantize_from_rows} rows or more dequantize each matrix for its matmul" \
+            if dequantize_from_rows else ""
         log.info("quantized weights without dense copies: they would take %d MiB, over the budget of %d MiB "
-                 "(--dense-weights-budget); every step runs the quantized kernels", needed >> 20, budget >> 20)
+                 "(--dense-weights-budget); the quantized kernels run the steps%s", needed >> 20, budget >> 20, after)
         return
     for module in quantized:
         module.dense = linear_of(module.weight.dequantize(dtype), module.bias)
