@@ -45,9 +45,9 @@ class EngineConfig:
     dense_weights_budget: str = option("1GiB", "memory that dense copies of the quantized weights may take, for steps "
                                                "of many rows (prefill, large batches) where dense matmuls are faster; "
                                                "beyond it (or 0) every step runs the quantized kernels")
-    dequantize_from_rows: int = option(1024, "without dense copies, steps of this many rows or more (long prefill "
-                                             "chunks) dequantize each quantized matrix into a transient dense one "
-                                             "for the matmul library (0: never)")
+    dequantize_from_rows: int = option(128, "without dense copies, steps of this many rows or more (prefill "
+                                            "chunks) dequantize each quantized matrix into a transient dense one "
+                                            "for the matmul library (0: never)")
     fused_decode_layers: bool = option(True, "on CPU, decode steps of fewer than 32 rows with the weights kept "
                                              "quantized run each decoder layer as one C++ op on fp32 rows, whatever "
                                              "the dtype (off: one op per norm, projection, RoPE, attention...)")

@@ -49,6 +49,7 @@ def test_the_layout_holds_exactly_what_gguf_decodes(qtype: QType) -> None:
     assert torch.equal(weight.rows(order).dequantize(), expected[order])
 
 
+
 def emulated(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """What the kernel computes: x rounded to int8 per block of 32 (scale max|x| / 127), times the weights, exactly."""
     rows, width = x.shape
@@ -61,6 +62,17 @@ def emulated(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 needs_kernels = pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
 serves_quantized = pytest.mark.skipif(not (kernels.load() and kernels.has_vector_kernels()),
                                       reason="GGUF weights stay quantized where the AVX2 kernels build")
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_dequantize_kernel_gives_the_layouts_values(qtype: QType) -> None:
+    """The C++ dequantization (long steps over the dense-copy budget) equals the torch one bit for bit."""
+    weight = quantized_weight(random_blocks(qtype, 6, 512, seed=3), qtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        dense = torch.ops.tokenmill.dequantize(weight.qweight, weight.scales, weight.mins, weight.sub, weight.zero,
+                                               512, dtype)
+        assert dense.dtype == dtype and torch.equal(dense, weight.dequantize(dtype))
 
 
 @needs_kernels

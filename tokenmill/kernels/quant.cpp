@@ -292,6 +292,50 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// The dense [out, in] matrix of dtype (fp32, bf16 or fp16): w = scale * (q - zero) + shift, each value computed
+// in fp32 and rounded once, as layers/quantized.py's QuantizedWeight.dequantize does in torch ops (which take ~8
+// passes over the matrix where this takes one).
+template <typename T>
+void dequantize_rows(const tokenmill::QuantizedMatrix& w, T* out) {
+  const int64_t row_bytes = w.u4 ? w.in / 2 : w.in, groups = w.in / w.sub;
+  at::parallel_for(0, w.out, 16, [&](int64_t begin, int64_t end) {
+    float values[kBlock];
+    for (int64_t o = begin; o < end; ++o) {
+      const uint8_t* q = w.q + o * row_bytes;
+      for (int64_t b = 0; b < w.in / kBlock; ++b) {
+        if (w.u4) {  // block b: weight j in the low nibble of byte 16b + j, weight 16 + j in its high nibble
+          for (int64_t j = 0; j < kBlock / 2; ++j) {
+            values[j] = static_cast<float>((q[16 * b + j] & 0x0F) - w.zero);
+            values[j + kBlock / 2] = static_cast<float>((q[16 * b + j] >> 4) - w.zero);
+          }
+        } else {
+          for (int64_t j = 0; j < kBlock; ++j)
+            values[j] = static_cast<float>(reinterpret_cast<const int8_t*>(q)[kBlock * b + j] - w.zero);
+        }
+        T* row = out + o * w.in + b * kBlock;
+        for (int64_t k = 0; k < kBlock / w.sub; ++k) {  // the block's scales (one, or two of 16 weights)
+          const int64_t g = o * groups + b * (kBlock / w.sub) + k;
+          const float scale = w.scales[g], shift = w.shift ? w.shift[g] : 0.f;
+          for (int64_t j = k * w.sub; j < (k + 1) * w.sub; ++j) row[j] = static_cast<T>(values[j] * scale + shift);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& shift,
+                      int64_t sub, int64_t zero, int64_t in, at::ScalarType dtype) {
+  const tokenmill::QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, in);
+  at::Tensor out = at::empty({w.out, w.in}, qweight.options().dtype(dtype));
+  switch (dtype) {
+    case at::kFloat: dequantize_rows(w, out.data_ptr<float>()); break;
+    case at::kBFloat16: dequantize_rows(w, out.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: dequantize_rows(w, out.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "dequantize to fp32, bf16 or fp16, not ", dtype);
+  }
+  return out;
+}
+
 }  // namespace
 
 tokenmill::QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales,
@@ -329,6 +373,11 @@ void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMa
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero=0) -> Tensor");
+  m.def("dequantize(Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, int in_features, "
+        "ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("quantized_linear", &quantized_linear); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("quantized_linear", &quantized_linear);
+  m.impl("dequantize", &dequantize);
+}
