@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Side by side over HTTP, in interleaved rounds: tokenmill (default), tokenmill --no-quantized-weights,
 # tokenmill without its C++ kernels (TOKENMILL_NO_KERNELS=1), llama-server; one server at a time, 2 threads each.
-#   LLAMA_SERVER=path/to/llama-server [SERVERS="tokenmill fp32 llama-server"] bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
+#   LLAMA_SERVER=path/to/llama-server [SERVERS="tokenmill fp32 llama-server"] \
+#     bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
 # Each server: 8 warm-up requests, then baseline (4 x 128 tokens), burst 8, burst 32 and a prefill probe
 # (4 prompts of 400 words, 2 tokens out); JSON reports in OUT as SERVER-rROUND-WORKLOAD.json, memory in OUT/rss.txt.
 # `tokenmill bench --compare A.json B.json` compares two of them.

@@ -17,31 +17,9 @@
 
 #include "cpu.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-// sum(a[j] * b[j]) for j < n, in vector registers: a compiler-vectorized reduction spilled its lanes to the stack
-// and summed them one by one, most of the kernel's time at 32 rows (measured with perf).
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t j = 0;
-  float sum = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
-  sum = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-#endif
-  for (; j < n; ++j) sum += a[j] * b[j];
-  return sum;
-}
+using tokenmill::dot;
 
 // A row of the pool as fp32: the pool's own memory where it is fp32, else widened into buf (a bf16 is the top half
 // of an fp32: a shift, in vector registers).
@@ -61,7 +39,7 @@ inline const float* widen(const at::BFloat16* row, float* buf, int64_t n) {
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j));
     _mm512_storeu_si512(buf + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
   }
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
   for (; j + 8 <= n; j += 8) {
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + j));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + j), _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));

@@ -104,21 +104,15 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
       for (int64_t j = 0; j < qkv_w.out; ++j) qkv[t * qkv_w.out + j] += bias[j];
   const int64_t* table = tables.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
+  const auto run = [&](auto pool_type) {  // pool_type: a value of the pool's element type
+    attend<decltype(pool_type)>(qkv.data(), c, s, slot, q.data(), k_cache, v_cache, table, len, attn.data(), n,
+                                heads, kv_heads, width, sc);
+  };
   switch (k_cache.scalar_type()) {
-    case at::kFloat:
-      attend<float>(qkv.data(), c, s, slot, q.data(), k_cache, v_cache, table, len, attn.data(), n, heads, kv_heads,
-                    width, sc);
-      break;
-    case at::kBFloat16:
-      attend<at::BFloat16>(qkv.data(), c, s, slot, q.data(), k_cache, v_cache, table, len, attn.data(), n, heads,
-                           kv_heads, width, sc);
-      break;
-    case at::kHalf:
-      attend<at::Half>(qkv.data(), c, s, slot, q.data(), k_cache, v_cache, table, len, attn.data(), n, heads,
-                       kv_heads, width, sc);
-      break;
-    default:
-      TORCH_CHECK(false, "the KV pool must be fp32, bf16 or fp16, not ", k_cache.scalar_type());
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(at::BFloat16{}); break;
+    case at::kHalf: run(at::Half{}); break;
+    default: TORCH_CHECK(false, "the KV pool must be fp32, bf16 or fp16, not ", k_cache.scalar_type());
   }
   tokenmill::quantized_matmul(attn.data(), n, o_w, o.data());
   tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, static_cast<float>(eps));

@@ -14,7 +14,8 @@
 //   8-bit: int8 [out, in] (Q8_0, Q6_K, Q5_*);
 // w = scale * (q - zero) + shift, scale and shift fp32 per `sub` = 32 (or 16, 8-bit only) weights; the shift (a
 // min) may be absent, the zero point (Q4_0's 8) is one integer for the matrix: computed from the scales, never
-// stored (a shift array of -8 * scale was a third more bytes than Q4_0's own blocks). Without AVX2 the same arithmetic runs as plain loops.
+// stored (a shift array of -8 * scale was a third more bytes than Q4_0's own blocks). Without AVX2 the same
+// arithmetic runs as plain loops.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,6 +41,10 @@ constexpr int64_t kBlock = 32;   // weights per block (and activations per scale
 constexpr int64_t kRowTile = 4;  // activation rows that share one unpacking of a weight block
 
 using tokenmill::QuantizedRows;
+using tokenmill::dot;
+#ifdef TOKENMILL_AVX2
+using tokenmill::hsum;
+#endif
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, int64_t sub) {
   const int64_t blocks = in / kBlock, groups = in / sub;
@@ -71,27 +76,6 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, int64_t su
     }
   });
   return out;
-}
-
-#ifdef TOKENMILL_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float sum = 0.f;
-#ifdef TOKENMILL_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  sum = hsum(acc);
-#endif
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
 }
 
 // Ask for the cache lines of a weight row (and its scales) that a later tile will read: the hardware prefetcher
