@@ -42,15 +42,18 @@ class EngineConfig:
     quantized_weights: bool = option(True, "on CPU, keep a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 matrices in "
                                            "their quantization, run by tokenmill's C++ kernels (off: dequantize "
                                            "them to --dtype at load)")
-    dense_weights_budget: str = option("1GiB", "memory that dense copies of the quantized weights may take, for steps "
-                                               "of many rows (prefill, large batches) where dense matmuls are faster; "
-                                               "beyond it (or 0) every step runs the quantized kernels")
-    dequantize_from_rows: int = option(128, "without dense copies, steps of this many rows or more (prefill "
-                                            "chunks) dequantize each quantized matrix into a transient dense one "
-                                            "for the matmul library (0: never)")
-    fused_decode_layers: bool = option(True, "on CPU, decode steps of fewer than 32 rows with the weights kept "
-                                             "quantized run each decoder layer as one C++ op on fp32 rows, whatever "
-                                             "the dtype (off: one op per norm, projection, RoPE, attention...)")
+    dense_weights_budget: str = option("auto", "memory that dense copies of the quantized weights may take, for "
+                                               "steps of 32 rows or more (prefill, large batches); beyond it (or 0) "
+                                               "every step runs the quantized kernels. auto: 1GiB for bf16 on a CPU "
+                                               "with AMX, else 0 (the kernels are as fast as dense matmuls or faster "
+                                               "at every row count measured)")
+    dequantize_from_rows: int = option(0, "without dense copies, steps of this many rows or more (prefill chunks) "
+                                          "dequantize each quantized matrix into a transient dense one for the "
+                                          "matmul library (0: never; slower than the kernels wherever measured)")
+    fused_decode_layers: bool = option(True, "on CPU, decode steps with the weights kept quantized (of fewer than "
+                                             "32 rows where dense copies exist) run each decoder layer as one C++ op "
+                                             "on fp32 rows, whatever the dtype (off: one op per norm, projection, "
+                                             "RoPE, attention...)")
     deterministic: bool = option(False, "same request, same tokens: each token's logits depend only on its own "
                                         "request, never on the batch it shares, how its prompt was chunked or what "
                                         "the prefix cache held (batch-invariant kernels; CPU with the C++ kernels, "

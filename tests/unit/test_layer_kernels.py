@@ -17,6 +17,7 @@ from tokenmill import kernels
 from tokenmill.cache.kv_cache import PagedKVCache
 from tokenmill.cache.sizing import KVSpec
 from tokenmill.layers.attention import SequenceSlice
+from tokenmill.layers.quantized import DENSE_FROM_ROWS
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.loader import LoadedModel, load_model
 
@@ -76,10 +77,10 @@ def write_model(path: Path, qtype: QType, bias: bool) -> Path:
     return write_gguf(path, "qwen2" if bias else "llama", tiny_metadata(256), tensors, qtype=qtype)
 
 
-def new_cache(loaded: LoadedModel) -> PagedKVCache:
+def new_cache(loaded: LoadedModel, num_blocks: int = 32) -> PagedKVCache:
     c = loaded.config
     return PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype), loaded.device,
-                        num_blocks=32, block_size=16)
+                        num_blocks=num_blocks, block_size=16)
 
 
 def decode_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int,
@@ -148,6 +149,20 @@ def test_a_bf16_model_decodes_through_the_fused_layer_on_fp32_rows_and_its_bf16_
         error, per_op_error = ((getattr(c, pool).float() - getattr(caches[2], pool)).abs().max().item()
                                for c in caches[:2])
         assert error <= 1.25 * per_op_error, pool
+
+
+@pytest.mark.parametrize("budget", [0, 2**30])
+def test_decode_steps_run_fused_unless_dense_copies_take_them(tmp_path: Path, budget: int) -> None:
+    """Dense copies (where the budget allows) run steps of DENSE_FROM_ROWS rows or more; without them every decode
+    step, however many rows, runs the fused layer."""
+    path = write_model(tmp_path / "m.gguf", QType.Q4_0, bias=False)
+    loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=budget)
+    runs = []
+    run_fused = loaded.model.model._decode_fused
+    loaded.model.model._decode_fused = lambda *args: runs.append(args[0].shape[0]) or run_fused(*args)
+    for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 3 * DENSE_FROM_ROWS):
+        decode_steps(loaded, [[5 + i, 9] for i in range(rows)], 1, new_cache(loaded, num_blocks=rows))
+    assert runs == ([DENSE_FROM_ROWS - 1] if budget else [DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 3 * DENSE_FROM_ROWS])
 
 
 def test_a_layer_it_cannot_run_keeps_the_per_op_path(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from helpers import our_logits, write_tiny_gguf
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.layers import linear
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
 from tokenmill.loader import load_model
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight
@@ -71,13 +72,13 @@ def test_the_dequantize_kernel_gives_the_layouts_values(qtype: QType) -> None:
     weight = quantized_weight(random_blocks(qtype, 6, 512, seed=3), qtype)
     for dtype in (torch.float32, torch.bfloat16):
         dense = torch.ops.tokenmill.dequantize(weight.qweight, weight.scales, weight.mins, weight.sub, weight.zero,
-                                               512, dtype)
+                                               6, dtype)
         assert dense.dtype == dtype and torch.equal(dense, weight.dequantize(dtype))
 
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 4, 7])  # the kernel takes activation rows 4 at a time: a whole and a partial tile
+@pytest.mark.parametrize("rows", [1, 8, 19])  # the kernel takes activation rows 8 at a time: whole and partial tiles
 def test_the_kernel_computes_the_product(qtype: QType, rows: int) -> None:
     # The AVX-512 path takes blocks of 32 in pairs: an odd count (where the type's blocks allow) ends on a single.
     cols = 512 if GGML_QUANT_SIZES[qtype][0] > 32 else 544
@@ -170,6 +171,22 @@ def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int,
         kernel = emulated(x, linear.weight).float()
         expected = dense if budget and rows >= DENSE_FROM_ROWS else kernel
         assert torch.allclose(linear(x), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+@serves_quantized
+@pytest.mark.parametrize(("flags", "dtype", "dense"), [("avx512f avx512_bf16 avx512_vnni", "bfloat16", False),
+                                                       ("avx512f amx_bf16 amx_tile", "bfloat16", True),
+                                                       ("avx512f amx_bf16 amx_tile", "float32", False)])
+def test_by_default_dense_copies_are_made_for_bf16_on_amx_only(flags: str, dtype: str, dense: bool, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elsewhere the quantized kernel is as fast as the matmul library at every row count measured."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu avx2 fma {flags}\n")
+    monkeypatch.setattr(linear, "CPUINFO", str(cpuinfo))
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
+    loaded = load_model(str(path), dtype=dtype, device="cpu", prepack=False, dense_budget=None)
+    quantized = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and all((m.dense is not None) == dense for m in quantized)
 
 
 @serves_quantized

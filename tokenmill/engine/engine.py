@@ -67,8 +67,9 @@ class Engine:
         if self.loaded is None:
             if c.threads:
                 torch.set_num_threads(c.threads)
+            budget = None if c.dense_weights_budget == "auto" else parse_size(c.dense_weights_budget)
             self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len, prepack=c.prepack_weights,
-                                     quantized=c.quantized_weights, dense_budget=parse_size(c.dense_weights_budget),
+                                     quantized=c.quantized_weights, dense_budget=budget,
                                      dequantize_from_rows=c.dequantize_from_rows, fused_decode=c.fused_decode_layers,
                                      deterministic=c.deterministic)
         loaded = self.loaded

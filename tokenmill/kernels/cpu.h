@@ -43,27 +43,32 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Activation rows quantized to int8 per block of 32: q, the block's scale, and scale * sum(q) per `sub` weights
-// (the weights' shifts multiply these sums). quant.cpp.
+// Activation rows quantized to int8 per block of 32: q, the block's scale, and per `sub` weights sum(q) (the zero
+// point multiplies it) and scale * sum(q) (the weights' shifts multiply these). quant.cpp.
 struct QuantizedRows {
-  std::vector<int8_t> q;      // [rows, in]
-  std::vector<float> scale;   // [rows, in / 32]
-  std::vector<float> sums;    // [rows, in / sub]
+  std::vector<int8_t> q;        // [rows, in]
+  std::vector<float> scale;     // [rows, in / 32]
+  std::vector<float> sums;      // [rows, in / sub]
+  std::vector<int32_t> isums;   // [rows, in / sub]
 };
+
+// Output rows interleaved in a quantized weight's group (quant.cpp describes the layout).
+constexpr int64_t kInterleave = 16;
 
 // A weight kept quantized (layers/quantized.py): w = scale * (q - zero) + shift per `sub` weights.
 struct QuantizedMatrix {
-  const uint8_t* q;     // 4-bit: uint8 [out, in / 2]; else int8 [out, in]
+  const uint8_t* q;     // 4-bit: uint8 [groups, in / 32, 4, 16, 4]; else int8 [groups, in / 32, 8, 16, 4]
   bool u4;
-  const float* scales;  // [out, in / sub]
-  const float* shift;   // [out, in / sub] or nullptr
+  const float* scales;  // [groups, in / sub, 16]
+  const float* shift;   // [groups, in / sub, 16] or nullptr
   int64_t zero;         // Q4_0: 8; else 0
   int64_t sub, in, out;
 };
 
-// The matrix of these tensors, checked against each other and against `in` inputs.
+// The matrix of these tensors, of out_features rows, checked against each other.
 QuantizedMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales,
-                                 const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero, int64_t in);
+                                 const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero,
+                                 int64_t out_features);
 // out[rows, w.out] = x[rows, w.in] @ dequantize(w).T
 void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out);
 

@@ -16,12 +16,16 @@ namespace {
 
 using tokenmill::QuantizedMatrix;
 
-// weights[first..first+2]: qweight, scales, shift (empty: none); layouts[i], layouts[4 + i]: its sub and zero point.
-QuantizedMatrix matrix(at::TensorList weights, size_t first, at::IntArrayRef layouts, size_t i, int64_t in) {
+// weights[first..first+2]: qweight, scales, shift (empty: none); layouts[i], layouts[4 + i]: its sub and zero point;
+// out: its rows, in: its inputs.
+QuantizedMatrix matrix(at::TensorList weights, size_t first, at::IntArrayRef layouts, size_t i, int64_t out,
+                       int64_t in) {
   const at::Tensor& shift = weights[first + 2];
-  return tokenmill::quantized_matrix(weights[first], weights[first + 1],
-                                     shift.numel() ? std::optional<at::Tensor>(shift) : std::nullopt, layouts[i],
-                                     layouts[4 + i], in);
+  const QuantizedMatrix m = tokenmill::quantized_matrix(
+      weights[first], weights[first + 1], shift.numel() ? std::optional<at::Tensor>(shift) : std::nullopt,
+      layouts[i], layouts[4 + i], out);
+  TORCH_CHECK(m.in == in, "a projection of ", m.in, " inputs where the layer has ", in);
+  return m;
 }
 
 const float* f32(const at::Tensor& t, int64_t numel, const char* what) {
@@ -61,13 +65,12 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   TORCH_CHECK(k_cache.size(2) == kv_heads && heads % kv_heads == 0, "heads and the pool disagree");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the caches must be contiguous, of one dtype");
-  const QuantizedMatrix qkv_w = matrix(weights, 1, layouts, 0, hidden);
-  const QuantizedMatrix o_w = matrix(weights, 5, layouts, 1, heads * dim);
-  const QuantizedMatrix gu_w = matrix(weights, 9, layouts, 2, hidden);
-  const int64_t inter = gu_w.out / 2;
-  const QuantizedMatrix down_w = matrix(weights, 12, layouts, 3, inter);
-  TORCH_CHECK(qkv_w.out == (heads + 2 * kv_heads) * dim && o_w.out == hidden && down_w.out == hidden,
-              "the projections' shapes disagree with the heads and the hidden size");
+  TORCH_CHECK(weights[12].dim() == 5, "the down projection's qweight must be an interleaving");
+  const int64_t inter = weights[12].size(1) * 32;  // the down projection's inputs
+  const QuantizedMatrix qkv_w = matrix(weights, 1, layouts, 0, (heads + 2 * kv_heads) * dim, hidden);
+  const QuantizedMatrix o_w = matrix(weights, 5, layouts, 1, hidden, heads * dim);
+  const QuantizedMatrix gu_w = matrix(weights, 9, layouts, 2, 2 * inter, hidden);
+  const QuantizedMatrix down_w = matrix(weights, 12, layouts, 3, hidden, inter);
   const float* norm1 = f32(weights[0], hidden, "the input norm");
   const float* norm2 = f32(weights[8], hidden, "the post-attention norm");
   const float* bias = weights[4].numel() ? f32(weights[4], qkv_w.out, "the qkv bias") : nullptr;

@@ -16,18 +16,27 @@ PACK_FOR_ROWS = 32
 CPUINFO = "/proc/cpuinfo"
 
 
+def _cpu_flags() -> list[str]:
+    try:
+        with open(CPUINFO, encoding="ascii", errors="ignore") as info:
+            return next((line.split() for line in info if line.startswith("flags")), [])
+    except OSError:  # not Linux: no way to tell cheaply, say none
+        return []
+
+
 def cpu_computes_bf16() -> bool:
     """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX): where it has not, bf16 matmuls are emulated.
 
     The one bf16 probe: --dtype auto picks bf16 by it (loader) and bf16 weights are prepacked by it. Those CPUs all
     have the AVX512 (BW, VL, DQ) that oneDNN's own bf16 check asks for, so what this accepts oneDNN runs.
     """
-    try:
-        with open(CPUINFO, encoding="ascii", errors="ignore") as info:
-            flags = next((line.split() for line in info if line.startswith("flags")), [])
-            return "amx_bf16" in flags or "avx512_bf16" in flags
-    except OSError:  # not Linux: no way to tell cheaply, say no
-        return False
+    flags = _cpu_flags()
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tile matmuls (Sapphire Rapids and later), which oneDNN runs bf16 matmuls on."""
+    return "amx_bf16" in _cpu_flags()
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -4,6 +4,8 @@ Linear and Embedding that use it.
 A QuantizedWeight is w = scale * (q - zero) + min per block of `sub` weights along a row, which is exactly how GGUF's
 Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 dequantize (loader/gguf_blocks.py converts them, keeping every
 value: dequantize() equals gguf's own dequantization bit for bit in fp32). 4-bit types pack two weights a byte.
+Rows are interleaved by 16 (INTERLEAVE), four weights of each row at a time, so that the kernel advances 16 output
+rows with one vector instruction.
 """
 
 from __future__ import annotations
@@ -14,16 +16,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+INTERLEAVE = 16  # output rows a group interleaves: kInterleave in kernels/cpu.h
+
 
 @dataclass
 class QuantizedWeight:
-    # uint8 [out, in/2]: 4-bit, weight j of block b in the low nibble of byte 16b+j, weight 16+j in its high nibble;
-    # int8 [out, in]: one weight a byte
+    # [groups, in/32, chunks, 16, 4]: group g holds rows 16g..16g+15 (the last padded with zeros), a row's block of 32
+    # weights as chunks of four bytes, chunk c of the 16 rows side by side. uint8, 4 chunks: byte j of a block holds
+    # weight j in its low nibble and weight 16+j in its high one; int8, 8 chunks: one weight a byte.
     qweight: torch.Tensor
-    scales: torch.Tensor  # fp32 [out, in/sub]
-    mins: torch.Tensor | None  # fp32 [out, in/sub], or None for 0
+    scales: torch.Tensor  # fp32 [groups, in/sub, 16]
+    mins: torch.Tensor | None  # fp32 [groups, in/sub, 16], or None for 0
     zero: int  # subtracted from 4-bit q (8 for Q4_0); 0 for int8 storage, whose q are signed already
     sub: int  # weights per scale: 32, or 16 (Q6_K)
+    out_features: int
+
+    @staticmethod
+    def interleave(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, zero: int,
+                   sub: int) -> QuantizedWeight:
+        """From rows one after another: q uint8 [out, in/2] (block b of 32 weights in bytes 16b..16b+15, weight j in
+        the low nibble of byte j and 16+j in its high one) or int8 [out, in]; scales and mins [out, in/sub]."""
+        out = q.shape[0]
+        pad = -out % INTERLEAVE
+
+        def grouped(t: torch.Tensor, inner: int) -> torch.Tensor:  # [out, n * inner] -> [groups, n, ..., 16, inner]
+            t = F.pad(t, (0, 0, 0, pad)) if pad else t
+            return t.view(-1, INTERLEAVE, t.shape[1] // inner, inner).transpose(1, 2)
+
+        chunks = 4 if q.dtype == torch.uint8 else 8
+        qweight = grouped(q, 4 * chunks).reshape(-1, q.shape[1] // (4 * chunks), INTERLEAVE, chunks, 4)
+        return QuantizedWeight(
+            qweight.transpose(2, 3).contiguous(), grouped(scales, 1).squeeze(-1).contiguous(),
+            None if mins is None else grouped(mins, 1).squeeze(-1).contiguous(), zero, sub, out)
+
+    def plain(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """interleave's arguments back (q, scales, mins), of every row or of the given ones, in that order."""
+        if index is None:
+            index = torch.arange(self.out_features)
+        g, lane = index // INTERLEAVE, index % INTERLEAVE
+        q = self.qweight[g, :, :, lane].reshape(len(index), -1)  # [n, blocks, chunks, 4]: a row's bytes in order
+        return q, self.scales[g, :, lane], None if self.mins is None else self.mins[g, :, lane]
 
     @property
     def packed4(self) -> bool:
@@ -31,33 +63,28 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        out, width = self.qweight.shape
-        return out, width * 2 if self.packed4 else width
+        return self.out_features, self.qweight.shape[1] * 32
 
     @property
     def nbytes(self) -> int:
         tensors = (self.qweight, self.scales) + (() if self.mins is None else (self.mins,))
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def q(self) -> torch.Tensor:
-        """The integer q - zero of every weight, [out, in] int16."""
-        if not self.packed4:
-            return self.qweight.to(torch.int16)
-        out, width = self.qweight.shape
-        blocks = self.qweight.view(out, width // 16, 16).to(torch.int16)
-        return torch.cat((blocks & 0x0F, blocks >> 4), dim=2).view(out, width * 2) - self.zero
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        out, width = self.shape
-        w = self.q().view(out, width // self.sub, self.sub).float() * self.scales[..., None]
-        if self.mins is not None:
-            w = w + self.mins[..., None]
-        return w.view(out, width).to(dtype)
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense [out, in] matrix, or the given rows of it."""
+        q, scales, mins = self.plain(rows)
+        n, width = q.shape[0], self.shape[1]
+        if self.packed4:
+            blocks = q.view(n, width // 32, 16).to(torch.int16)
+            q = torch.cat((blocks & 0x0F, blocks >> 4), dim=2)
+        w = (q.view(n, width // self.sub, self.sub).to(torch.int16) - self.zero).float() * scales[..., None]
+        if mins is not None:
+            w = w + mins[..., None]
+        return w.view(n, width).to(dtype)
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight of the given rows (output features), in that order."""
-        return QuantizedWeight(self.qweight.index_select(0, index), self.scales.index_select(0, index),
-                               None if self.mins is None else self.mins.index_select(0, index), self.zero, self.sub)
+        return QuantizedWeight.interleave(*self.plain(index), self.zero, self.sub)
 
     def layout(self) -> tuple[torch.dtype, int, int, bool]:
         return self.qweight.dtype, self.zero, self.sub, self.mins is not None
@@ -67,14 +94,15 @@ class QuantizedWeight:
         """The parts' rows one after another, or None when their layouts differ (the caller dequantizes them)."""
         if len({p.layout() for p in parts}) != 1:
             return None
-        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
-        return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), mins,
-                               parts[0].zero, parts[0].sub)
+        plains = [p.plain() for p in parts]
+        mins = None if parts[0].mins is None else torch.cat([m for _, _, m in plains])  # type: ignore[misc]
+        return QuantizedWeight.interleave(torch.cat([q for q, _, _ in plains]), torch.cat([s for _, s, _ in plains]),
+                                          mins, parts[0].zero, parts[0].sub)
 
 
-# From this many rows a step runs the dense copy where there is one. Measured on SmolLM2, 2-core AVX2 Zen 3, fp32:
-# the kernel 1.35x faster than dense over HTTP at 8 streams; at 32 rows the profiled step's matmuls 1.36 ms a call
-# quantized against 0.81 ms dense (whole steps too noisy there to tell); 256-row matmuls 1.6-1.9x faster dense.
+# From this many rows a step runs the dense copy where there is one (bf16 on an AMX CPU by default, registry.py).
+# Measured on SmolLM2, 2-core AVX2 Zen 3, fp32, with the kernel of one row at a time: the kernel 1.35x faster than
+# dense over HTTP at 8 streams; at 32 rows the matmuls 1.36 ms a call quantized against 0.81 ms dense.
 DENSE_FROM_ROWS = 32
 
 
@@ -85,10 +113,15 @@ class QuantizedLinear(nn.Module):
         self.bias = bias
         self.dense: nn.Module | None = None  # a dequantized (prepacked) copy for many-row steps, memory allowing
         # Without one: steps of this many rows or more dequantize the matrix for the matmul library (0: never).
-        # Measured on a 1.1B model's 11264 x 2048 Q4_0 gate|up, bf16, 2-core Zen 5: the C++ dequantization takes
-        # 7 ms (torch's ops 45); the kernel against dequantizing + matmul, 64 rows 8.5 vs 11.5 ms, 128 rows 16.8 vs
-        # 14.7, 512 rows 76 vs 42.
+        # Measured on a 1.1B model's 11264 x 2048 Q4_0 gate|up, 2-core Zen 4, the interleaved kernel against
+        # dequantizing + bf16 matmul: 128 rows 9.7 vs 41 ms, 512 rows 42 vs 87, 1024 rows 95 vs 126 (fp32: 38 vs
+        # 183 at 512). Off by default; it may pay where AMX runs the matmul (unmeasured).
         self.dequantize_from_rows = 0
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight dequantized in one C++ pass (the same values as QuantizedWeight.dequantize)."""
+        w = self.weight
+        return torch.ops.tokenmill.dequantize(w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, in] -> [rows, out]."""
@@ -96,9 +129,8 @@ class QuantizedLinear(nn.Module):
             return self.dense(x)
         w = self.weight
         if self.dequantize_from_rows and x.shape[0] >= self.dequantize_from_rows:
-            dense = torch.ops.tokenmill.dequantize(w.qweight, w.scales, w.mins, w.sub, w.zero, w.shape[1], x.dtype)
-            return F.linear(x, dense, self.bias)
-        out = torch.ops.tokenmill.quantized_linear(x, w.qweight, w.scales, w.mins, w.sub, w.zero)
+            return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        out = torch.ops.tokenmill.quantized_linear(x, w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features)
         return out if self.bias is None else out + self.bias
 
 
@@ -111,5 +143,5 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.rows(ids).dequantize(self.dtype)
+        return self.weight.dequantize(self.dtype, rows=ids.flatten()).view(*ids.shape, -1)
 

@@ -81,10 +81,11 @@ def _weight_memory(model: CausalLM) -> str:
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                max_model_len_cap: int = 8192, prepack: bool = True, quantized: bool = True,
-               dense_budget: int = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
+               dense_budget: int | None = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
                deterministic: bool = False) -> LoadedModel:
     """quantized: keep a GGUF's quantized matrices in their quantization (on CPU, where the kernels build), with
-    dense copies for many-row steps where they fit dense_budget bytes (else, steps of dequantize_from_rows rows or
+    dense copies for many-row steps where they fit dense_budget bytes (None: the default for the CPU and dtype,
+    models/registry.py; else, steps of dequantize_from_rows rows or
     more dequantize each matrix for its matmul; 0: never); fused_decode: decode steps run each layer
     of quantized weights as one C++ op; deterministic: batch-invariant throughout (models/registry.py)."""
     path = resolve(model)

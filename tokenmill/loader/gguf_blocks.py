@@ -111,9 +111,7 @@ def quantized_weight(data: np.ndarray, qtype: QType) -> QuantizedWeight:
     if q.dtype == np.uint8:  # 4-bit: two weights a byte, weight j and 16 + j of each 32-block together
         blocks = q.reshape(rows, -1, 2, 16)
         q = blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)
-    return QuantizedWeight(
-        qweight=torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1)),
-        scales=torch.from_numpy(np.ascontiguousarray(scales).reshape(rows, -1)),
-        mins=None if mins is None else torch.from_numpy(np.ascontiguousarray(mins).reshape(rows, -1)),
-        zero=zero, sub=sub,
-    )
+    return QuantizedWeight.interleave(
+        torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(scales).reshape(rows, -1)),
+        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins).reshape(rows, -1)), zero, sub)

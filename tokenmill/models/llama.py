@@ -125,12 +125,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, config.rope_freq_factors)
         self.fused_decode: list[tuple[list[torch.Tensor], list[int]]] | None = None  # see fuse_decode_layers
+        self.fused_decode_below: int | None = None  # decode steps of fewer rows run fused (None: all of them)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         pending = None
-        if self.fused_decode is not None and _fused_decode_runs(meta, x):
+        if self.fused_decode is not None and _fused_decode_runs(meta, x, self.fused_decode_below):
             # The fused layer's rows are fp32 (a bf16 model's residual stream widens for it, then narrows).
             dtype, x = x.dtype, x.float()
             pending = self._decode_fused(x, rope, meta)
@@ -141,9 +142,12 @@ class LlamaModel(nn.Module):
         return self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
 
     def fuse_decode_layers(self) -> bool:
-        """Run decode steps' layers through the fused kernel, where every layer can (see decode_weights)."""
+        """Run decode steps' layers through the fused kernel, where every layer can (see decode_weights): all of them,
+        or where there are dense copies, those of fewer rows than take the copies."""
         layers = [layer.decode_weights() for layer in self.layers]  # type: ignore[operator]
         self.fused_decode = None if any(w is None for w in layers) else cast(list, layers)
+        dense = any(isinstance(m, QuantizedLinear) and m.dense is not None for m in self.layers.modules())
+        self.fused_decode_below = DENSE_FROM_ROWS if dense else None
         return self.fused_decode is not None
 
     def _decode_fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -161,9 +165,9 @@ class LlamaModel(nn.Module):
         return pending
 
 
-def _fused_decode_runs(meta: AttentionMetadata, x: torch.Tensor) -> TypeGuard[PagedMetadata]:
-    """A decode step (one new token per sequence) on a paged pool, of fewer rows than the dense copies take."""
-    return isinstance(meta, PagedMetadata) and meta.num_decodes == x.shape[0] < DENSE_FROM_ROWS
+def _fused_decode_runs(meta: AttentionMetadata, x: torch.Tensor, below: int | None) -> TypeGuard[PagedMetadata]:
+    """A decode step (one new token per sequence) on a paged pool, of fewer rows than `below` if given."""
+    return isinstance(meta, PagedMetadata) and meta.num_decodes == x.shape[0] < (below or x.shape[0] + 1)
 
 
 # Checkpoint tensors stacked (along dim 0, in this order) into one parameter, so that each group runs as one matmul.

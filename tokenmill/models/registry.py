@@ -12,13 +12,19 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.linear import can_prepack, linear_of
+from tokenmill.layers.linear import can_prepack, cpu_has_amx, linear_of
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
+
+# The dense copies' budget by default, where they pay: bf16 on a CPU with AMX, whose tile matmuls oneDNN runs
+# (unmeasured against the interleaved quantized kernel: no AMX machine in that sitting). Elsewhere none: on a 2-core
+# Zen 4 the kernel was as fast as oneDNN's bf16 matmuls or faster from 16 to 1024 rows (SmolLM2's and a 1.1B
+# model's matrices; 1.6-3x faster than fp32 ones), and dense copies take 2-4x the quantized weights' memory.
+AUTO_DENSE_BUDGET = 1 << 30
 
 
 class CausalLM(Protocol):
@@ -39,10 +45,11 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                 dtype: torch.dtype, device: torch.device, max_positions: int, prepack: bool = True,
-                dense_budget: int = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
+                dense_budget: int | None = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
                 deterministic: bool = False) -> CausalLM:
     """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py).
-    dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none);
+    dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none; None:
+    AUTO_DENSE_BUDGET for bf16 on an AMX CPU, else none);
     dequantize_from_rows: without them, steps of this many rows or more dequantize each matrix for its matmul.
     fused_decode: decode steps run each layer as one C++ op where the weights are kept quantized (CPU).
     deterministic: each row's result depends on that row alone, whatever the batch (see check_deterministic)."""
@@ -70,7 +77,8 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
     # layers of a mixed step that holds the same sequence.
     fuse = fused_decode and not (deterministic and dtype != torch.float32)
     if fuse and device.type == "cpu" and kernels.load() and model.model.fuse_decode_layers():
-        log.info("decode steps of fewer than %d rows run each layer as one fused op", DENSE_FROM_ROWS)
+        below = model.model.fused_decode_below
+        log.info("decode steps%s run each layer as one fused op", f" of fewer than {below} rows" if below else "")
     return model.eval()
 
 
@@ -85,20 +93,24 @@ def check_deterministic(device: torch.device) -> None:
                           "why): torch's own attention and matmuls are not batch-invariant")
 
 
-def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int, dequantize_from_rows: int) -> None:
+def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int | None, dequantize_from_rows: int) -> None:
     quantized = {id(m): m for m in model.modules() if isinstance(m, QuantizedLinear)}.values()
     if not quantized:
         return
     needed = sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
+    if budget is None:
+        budget = AUTO_DENSE_BUDGET if dtype == torch.bfloat16 and cpu_has_amx() else 0
+        why = "they pay for bf16 on a CPU with AMX only (--dense-weights-budget sets them)"
+    else:
+        why = f"they would take {needed >> 20} MiB, over the budget of {budget >> 20} MiB (--dense-weights-budget)"
     if needed > budget:
         for module in quantized:
             module.dequantize_from_rows = dequantize_from_rows
         after = f"; steps of {dequantize_from_rows} rows or more dequantize each matrix for its matmul" \
             if dequantize_from_rows else ""
-        log.info("quantized weights without dense copies: they would take %d MiB, over the budget of %d MiB "
-                 "(--dense-weights-budget); the quantized kernels run the steps%s", needed >> 20, budget >> 20, after)
+        log.info("quantized weights without dense copies: %s; the quantized kernels run the steps%s", why, after)
         return
     for module in quantized:
-        module.dense = linear_of(module.weight.dequantize(dtype), module.bias)
+        module.dense = linear_of(module.dense_weight(dtype), module.bias)
     log.info("dense copies of the quantized weights for steps of %d rows or more: %d MiB", DENSE_FROM_ROWS,
              needed >> 20)
