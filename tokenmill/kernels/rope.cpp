@@ -48,14 +48,19 @@ void rope_store(const T* qkv, const float* cos, const float* sin, const int64_t*
 
 template <typename T>
 void silu_mul_of(const T* gate_up, T* out, int64_t n, int64_t inter) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = gate_up + r * 2 * inter;
+  constexpr int64_t kChunk = 256;  // e^-gate of this many at a time, in vector registers (cpu.h's exp_sum)
+  at::parallel_for(0, n * ((inter + kChunk - 1) / kChunk), 16, [&](int64_t begin, int64_t end) {
+    float e[kChunk];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / ((inter + kChunk - 1) / kChunk), j0 = task % ((inter + kChunk - 1) / kChunk) * kChunk;
+      const int64_t len = std::min(kChunk, inter - j0);
+      const T* gate = gate_up + r * 2 * inter + j0;
       const T* up = gate + inter;
-      for (int64_t j = 0; j < inter; ++j) {
-        const float g = static_cast<float>(gate[j]);
-        out[r * inter + j] = static_cast<T>(g / (1.f + std::exp(-g)) * static_cast<float>(up[j]));
-      }
+      for (int64_t j = 0; j < len; ++j) e[j] = -static_cast<float>(gate[j]);
+      tokenmill::exp_sum(e, len, 0.f);
+      T* dst = out + r * inter + j0;
+      for (int64_t j = 0; j < len; ++j)
+        dst[j] = static_cast<T>(static_cast<float>(gate[j]) / (1.f + e[j]) * static_cast<float>(up[j]));
     }
   });
 }
