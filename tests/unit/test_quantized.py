@@ -45,6 +45,9 @@ def test_the_layout_holds_exactly_what_gguf_decodes(qtype: QType) -> None:
     weight = quantized_weight(raw, qtype)
     expected = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32))
     assert weight.shape == (6, 512)
+    # fp16 scales where the file's are fp16 fields themselves (the kernel reads less); K-quants' products fp32
+    half = qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)
+    assert weight.scales.dtype == (torch.float16 if half else torch.float32)
     assert torch.equal(weight.dequantize(), expected)
     order = torch.tensor([4, 0, 5])
     assert torch.equal(weight.rows(order).dequantize(), expected[order])
@@ -58,6 +61,18 @@ def emulated(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     q = torch.where(scale > 0, torch.round(blocks * torch.where(scale > 0, 1 / scale, 0)), 0)
     return (q * scale).view(rows, width).double() @ weight.dequantize().double().T
+
+
+def test_stacked_parts_keep_their_values_whatever_their_scales_dtype() -> None:
+    """A fused projection of parts in one layout but scales of two dtypes (Q4_1's fp16, Q4_K's fp32) takes fp32."""
+    parts = [quantized_weight(random_blocks(t, rows, 256, seed=rows), t)
+             for t, rows in ((QType.Q4_1, 20), (QType.Q4_K, 12), (QType.Q4_1, 5))]
+    stacked = QuantizedWeight.stack(parts)
+    assert stacked is not None and stacked.scales.dtype == torch.float32 and stacked.shape == (37, 256)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    same = QuantizedWeight.stack([parts[0], parts[2]])
+    assert same is not None and same.scales.dtype == torch.float16
+    assert torch.equal(same.dequantize(), torch.cat([parts[0].dequantize(), parts[2].dequantize()]))
 
 
 needs_kernels = pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")

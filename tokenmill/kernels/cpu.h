@@ -132,8 +132,9 @@ constexpr int64_t kInterleave = 16;
 struct QuantizedMatrix {
   const uint8_t* q;     // 4-bit: uint8 [groups, in / 32, 4, 16, 4]; else int8 [groups, in / 32, 8, 16, 4]
   bool u4;
-  const float* scales;  // [groups, in / sub, 16]
-  const float* shift;   // [groups, in / sub, 16] or nullptr
+  const void* scales;   // [groups, in / sub, 16], fp32, or fp16 where every scale is one (half_scales)
+  const void* shift;    // [groups, in / sub, 16] of the scales' type, or nullptr
+  bool half_scales;
   int64_t zero;         // Q4_0: 8; else 0
   int64_t sub, in, out;
 };

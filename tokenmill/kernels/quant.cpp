@@ -17,8 +17,10 @@
 //   4-bit (uint8, 4 chunks): bytes 4c..4c+3 of the row's block, weight j in the low nibble of byte j and weight
 //                            16 + j in its high nibble (Q4_0, Q4_1, Q4_K);
 //   8-bit (int8, 8 chunks):  weights 4c..4c+3 (Q8_0, Q6_K, Q5_*).
-// scales and shift: fp32 [groups, in / sub, 16], w = scale * (q - zero) + shift per `sub` = 32 (or 16, 8-bit only)
-// weights; the shift (a min) may be absent, the zero point (Q4_0's 8) is one integer for the matrix.
+// scales and shift: [groups, in / sub, 16], w = scale * (q - zero) + shift per `sub` = 32 (or 16, 8-bit only)
+// weights; the shift (a min) may be absent, the zero point (Q4_0's 8) is one integer for the matrix. fp32, or fp16
+// where the file's scales are fp16 values themselves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 2 bytes less per 32 weights
+// to read, a tenth of a Q4_0 matrix.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -107,6 +109,9 @@ struct Isa {
   static I dot4(I acc, Signed8 w, const int8_t* x) { return dot4(acc, w.u, x); }
   static F zero_f() { return _mm512_setzero_ps(); }
   static F load_f(const float* p) { return _mm512_loadu_ps(p); }
+  static F load_f(const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static F fma(I sums, F scale, float x_scale, F acc) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(x_scale)), acc);
   }
@@ -138,6 +143,7 @@ struct Isa {
   }
   static F zero_f() { return _mm256_setzero_ps(); }
   static F load_f(const float* p) { return _mm256_loadu_ps(p); }
+  static F load_f(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F fma(I sums, F scale, float x_scale, F acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_set1_ps(x_scale)), acc);
   }
@@ -159,13 +165,13 @@ inline void prefetch(const void* p, int64_t bytes) {
 
 // Group g's 16 output rows for activation rows r0..r0+N-1 into out[i][16] (lanes past the matrix's rows: zeros).
 // Each row's arithmetic is the same whatever N: a row's result does not depend on its batch.
-template <bool U4, int SUB, int N>
+template <bool U4, int SUB, typename S, int N>
 void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int64_t r0, float (*out)[kLanes]) {
   const int64_t blocks = w.in / kBlock, groups = w.in / SUB, chunks = U4 ? 4 : 8;
   const int64_t block_bytes = chunks * kLanes * 4;
   const uint8_t* q = w.q + g * blocks * block_bytes;
-  const float* scales = w.scales + g * groups * kLanes;
-  const float* shift = w.shift ? w.shift + g * groups * kLanes : nullptr;
+  const S* scales = static_cast<const S*>(w.scales) + g * groups * kLanes;
+  const S* shift = w.shift ? static_cast<const S*>(w.shift) + g * groups * kLanes : nullptr;
   const int8_t* xq[N];
   const float* xs[N];
   const float* xsums[N];
@@ -238,8 +244,8 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
           }
           sum += v * xq[i][j];
         }
-        acc += static_cast<float>(sum) * (scales[k * kLanes + lane] * xs[i][k * SUB / kBlock]);
-        if (shift) acc += shift[k * kLanes + lane] * xsums[i][k];
+        acc += static_cast<float>(sum) * (static_cast<float>(scales[k * kLanes + lane]) * xs[i][k * SUB / kBlock]);
+        if (shift) acc += static_cast<float>(shift[k * kLanes + lane]) * xsums[i][k];
       }
       out[i][lane] = acc;
     }
@@ -247,22 +253,22 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
 #endif
 }
 
-template <bool U4, int SUB>
+template <bool U4, int SUB, typename S>
 void group_rows(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int64_t r0, int64_t n,
                 float (*out)[kLanes]) {
   switch (n) {
-    case 8: group_tile<U4, SUB, 8>(w, g, x, r0, out); break;
-    case 7: group_tile<U4, SUB, 7>(w, g, x, r0, out); break;
-    case 6: group_tile<U4, SUB, 6>(w, g, x, r0, out); break;
-    case 5: group_tile<U4, SUB, 5>(w, g, x, r0, out); break;
-    case 4: group_tile<U4, SUB, 4>(w, g, x, r0, out); break;
-    case 3: group_tile<U4, SUB, 3>(w, g, x, r0, out); break;
-    case 2: group_tile<U4, SUB, 2>(w, g, x, r0, out); break;
-    default: group_tile<U4, SUB, 1>(w, g, x, r0, out); break;
+    case 8: group_tile<U4, SUB, S, 8>(w, g, x, r0, out); break;
+    case 7: group_tile<U4, SUB, S, 7>(w, g, x, r0, out); break;
+    case 6: group_tile<U4, SUB, S, 6>(w, g, x, r0, out); break;
+    case 5: group_tile<U4, SUB, S, 5>(w, g, x, r0, out); break;
+    case 4: group_tile<U4, SUB, S, 4>(w, g, x, r0, out); break;
+    case 3: group_tile<U4, SUB, S, 3>(w, g, x, r0, out); break;
+    case 2: group_tile<U4, SUB, S, 2>(w, g, x, r0, out); break;
+    default: group_tile<U4, SUB, S, 1>(w, g, x, r0, out); break;
   }
 }
 
-template <bool U4, int SUB>
+template <bool U4, int SUB, typename S>
 void matmul(const QuantizedRows& x, int64_t rows, const QuantizedMatrix& w, float* out) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
@@ -271,7 +277,7 @@ void matmul(const QuantizedRows& x, int64_t rows, const QuantizedMatrix& w, floa
       const int64_t valid = std::min(kLanes, w.out - g * kLanes);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int64_t n = std::min(kRowTile, rows - r0);
-        group_rows<U4, SUB>(w, g, x, r0, n, tile);
+        group_rows<U4, SUB, S>(w, g, x, r0, n, tile);
         for (int64_t i = 0; i < n; ++i)
           std::memcpy(out + (r0 + i) * w.out + g * kLanes, tile[i], valid * sizeof(float));
       }
@@ -294,7 +300,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
 // The dense [out, in] matrix of dtype (fp32, bf16 or fp16): w = scale * (q - zero) + shift, each value computed
 // in fp32 and rounded once, as layers/quantized.py's QuantizedWeight.dequantize does in torch ops (which take ~8
 // passes over the matrix where this takes one).
-template <typename T>
+template <typename S, typename T>
 void dequantize_rows(const QuantizedMatrix& w, T* out) {
   const int64_t blocks = w.in / kBlock, groups = w.in / w.sub, chunks = w.u4 ? 4 : 8;
   const int64_t block_bytes = chunks * kLanes * 4;
@@ -315,7 +321,8 @@ void dequantize_rows(const QuantizedMatrix& w, T* out) {
         T* row = out + o * w.in + b * kBlock;
         for (int64_t k = 0; k < kBlock / w.sub; ++k) {  // the block's scales (one, or two of 16 weights)
           const int64_t at_scale = (g * groups + b * (kBlock / w.sub) + k) * kLanes + lane;
-          const float scale = w.scales[at_scale], shift = w.shift ? w.shift[at_scale] : 0.f;
+          const float scale = static_cast<float>(static_cast<const S*>(w.scales)[at_scale]);
+          const float shift = w.shift ? static_cast<float>(static_cast<const S*>(w.shift)[at_scale]) : 0.f;
           for (int64_t j = k * w.sub; j < (k + 1) * w.sub; ++j) row[j] = static_cast<T>(values[j] * scale + shift);
         }
       }
@@ -327,12 +334,16 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
                       int64_t sub, int64_t zero, int64_t out_features, at::ScalarType dtype) {
   const QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, out_features);
   at::Tensor out = at::empty({w.out, w.in}, qweight.options().dtype(dtype));
-  switch (dtype) {
-    case at::kFloat: dequantize_rows(w, out.data_ptr<float>()); break;
-    case at::kBFloat16: dequantize_rows(w, out.data_ptr<at::BFloat16>()); break;
-    case at::kHalf: dequantize_rows(w, out.data_ptr<at::Half>()); break;
-    default: TORCH_CHECK(false, "dequantize to fp32, bf16 or fp16, not ", dtype);
-  }
+  const auto run = [&](auto scale_type) {  // a value of the scales' element type
+    using S = decltype(scale_type);
+    switch (dtype) {
+      case at::kFloat: dequantize_rows<S>(w, out.data_ptr<float>()); break;
+      case at::kBFloat16: dequantize_rows<S>(w, out.data_ptr<at::BFloat16>()); break;
+      case at::kHalf: dequantize_rows<S>(w, out.data_ptr<at::Half>()); break;
+      default: TORCH_CHECK(false, "dequantize to fp32, bf16 or fp16, not ", dtype);
+    }
+  };
+  w.half_scales ? run(at::Half{}) : run(float{});
   return out;
 }
 
@@ -350,28 +361,29 @@ QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at:
   const int64_t groups = qweight.size(0), in = qweight.size(1) * kBlock;
   TORCH_CHECK(out_features > (groups - 1) * kLanes && out_features <= groups * kLanes,
               "qweight's ", groups, " groups of 16 rows do not hold ", out_features, " rows");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales must be contiguous fp32");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous(),
+              "scales must be contiguous fp32 or fp16");
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == in / sub && scales.size(2) == kLanes,
               "scales must be [groups, in / sub, 16]");
-  const float* shift_ptr = nullptr;
+  const void* shift_ptr = nullptr;
   if (shift.has_value()) {
-    TORCH_CHECK(shift->sizes() == scales.sizes() && shift->scalar_type() == at::kFloat && shift->is_contiguous(),
-                "shift must be shaped and typed as scales");
-    shift_ptr = shift->data_ptr<float>();
+    TORCH_CHECK(shift->sizes() == scales.sizes() && shift->scalar_type() == scales.scalar_type() &&
+                    shift->is_contiguous(), "shift must be shaped and typed as scales");
+    shift_ptr = shift->data_ptr();
   }
   TORCH_CHECK(zero >= 0 && zero < 256, "the zero point must be a weight value");
-  return {static_cast<const uint8_t*>(qweight.data_ptr()), u4, scales.data_ptr<float>(), shift_ptr, zero, sub, in,
-          out_features};
+  return {static_cast<const uint8_t*>(qweight.data_ptr()), u4, scales.data_ptr(), shift_ptr,
+          scales.scalar_type() == at::kHalf, zero, sub, in, out_features};
 }
 
 void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out) {
   const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub);
   if (w.u4) {
-    matmul<true, 32>(xq, rows, w, out);
+    w.half_scales ? matmul<true, 32, at::Half>(xq, rows, w, out) : matmul<true, 32, float>(xq, rows, w, out);
   } else if (w.sub == 32) {
-    matmul<false, 32>(xq, rows, w, out);
+    w.half_scales ? matmul<false, 32, at::Half>(xq, rows, w, out) : matmul<false, 32, float>(xq, rows, w, out);
   } else {
-    matmul<false, 16>(xq, rows, w, out);
+    w.half_scales ? matmul<false, 16, at::Half>(xq, rows, w, out) : matmul<false, 16, float>(xq, rows, w, out);
   }
 }
 

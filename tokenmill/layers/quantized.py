@@ -25,8 +25,8 @@ class QuantizedWeight:
     # weights as chunks of four bytes, chunk c of the 16 rows side by side. uint8, 4 chunks: byte j of a block holds
     # weight j in its low nibble and weight 16+j in its high one; int8, 8 chunks: one weight a byte.
     qweight: torch.Tensor
-    scales: torch.Tensor  # fp32 [groups, in/sub, 16]
-    mins: torch.Tensor | None  # fp32 [groups, in/sub, 16], or None for 0
+    scales: torch.Tensor  # [groups, in/sub, 16]: fp32, or fp16 where every scale and min is an fp16 value
+    mins: torch.Tensor | None  # [groups, in/sub, 16] of the scales' dtype, or None for 0
     zero: int  # subtracted from 4-bit q (8 for Q4_0); 0 for int8 storage, whose q are signed already
     sub: int  # weights per scale: 32, or 16 (Q6_K)
     out_features: int
@@ -77,9 +77,9 @@ class QuantizedWeight:
         if self.packed4:
             blocks = q.view(n, width // 32, 16).to(torch.int16)
             q = torch.cat((blocks & 0x0F, blocks >> 4), dim=2)
-        w = (q.view(n, width // self.sub, self.sub).to(torch.int16) - self.zero).float() * scales[..., None]
+        w = (q.view(n, width // self.sub, self.sub).to(torch.int16) - self.zero).float() * scales.float()[..., None]
         if mins is not None:
-            w = w + mins[..., None]
+            w = w + mins.float()[..., None]
         return w.view(n, width).to(dtype)
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
@@ -95,9 +95,11 @@ class QuantizedWeight:
         if len({p.layout() for p in parts}) != 1:
             return None
         plains = [p.plain() for p in parts]
-        mins = None if parts[0].mins is None else torch.cat([m for _, _, m in plains])  # type: ignore[misc]
-        return QuantizedWeight.interleave(torch.cat([q for q, _, _ in plains]), torch.cat([s for _, s, _ in plains]),
-                                          mins, parts[0].zero, parts[0].sub)
+        dtype = torch.float32 if len({p.scales.dtype for p in parts}) > 1 else parts[0].scales.dtype
+        mins = None if parts[0].mins is None else torch.cat([m.to(dtype) for _, _, m in plains])  # type: ignore[union-attr]
+        return QuantizedWeight.interleave(torch.cat([q for q, _, _ in plains]),
+                                          torch.cat([s.to(dtype) for _, s, _ in plains]), mins, parts[0].zero,
+                                          parts[0].sub)
 
 
 # From this many rows a step runs the dense copy where there is one (bf16 on an AMX CPU by default, registry.py).
