@@ -3,11 +3,13 @@
 # tokenmill without its C++ kernels (TOKENMILL_NO_KERNELS=1), llama-server; one server at a time, 2 threads each.
 #   LLAMA_SERVER=path/to/llama-server [SERVERS="tokenmill fp32 llama-server"] \
 #     bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
+# The server `before` is tokenmill from another checkout (BEFORE=its folder; run with PYTHON, default python), for
+# a before/after of a change in one sitting.
 # Each server: 8 warm-up requests, then baseline (4 x 128 tokens), burst 8, burst 32 and a prefill probe
 # (4 prompts of 400 words, 2 tokens out); JSON reports in OUT as SERVER-rROUND-WORKLOAD.json, memory in OUT/rss.txt.
 # `tokenmill bench --compare A.json B.json` compares two of them.
 set -u
-GGUF=${1:-$HOME/.cache/tokenmill/SmolLM2-135M-Instruct.Q4_1.gguf}
+GGUF=$(realpath "${1:-$HOME/.cache/tokenmill/SmolLM2-135M-Instruct.Q4_1.gguf}")
 ROUNDS=${2:-3}
 OUT=${3:-results}
 LS=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary (tokenmill/bench/README.md builds one)}
@@ -19,6 +21,8 @@ mkdir -p "$OUT"
 start() {
   case $1 in
     tokenmill) exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
+    before) cd / && PYTHONPATH=${BEFORE:?set BEFORE to a checkout} exec "${PYTHON:-python}" -m tokenmill serve "$GGUF" \
+      --port $PORT --threads 2 ;;  # from /: python -m puts the working folder first on the path
     fp32) exec $TM serve "$GGUF" --port $PORT --threads 2 --dtype float32 ;;
     dequantized) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-quantized-weights ;;
     no-kernels) TOKENMILL_NO_KERNELS=1 exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
