@@ -22,6 +22,18 @@ namespace {
 
 using tokenmill::dot;
 
+#if defined(__AVX512F__)
+// 16 values of the pool as fp32, in a register.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 // A row of the pool as fp32: the pool's own memory where it is fp32, else widened into buf (a bf16 is the top half
 // of an fp32: a shift, in vector registers).
 template <typename KV>
@@ -36,10 +48,7 @@ inline const float* widen(const at::BFloat16* row, float* buf, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
   int64_t j = 0;
 #if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j));
-    _mm512_storeu_si512(buf + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-  }
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(buf + j, load16(row + j));
 #elif defined(__AVX2__) && defined(__FMA__)
   for (; j + 8 <= n; j += 8) {
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + j));
@@ -54,15 +63,15 @@ inline const float* widen(const at::BFloat16* row, float* buf, int64_t n) {
 }
 
 // One task: a sequence's `group` query heads (fp32, scaled, [group, dim]) against the keys of one KV head at
-// positions 0..length-1, whose rows row_of(p) gives; out: [group, dim] fp32. scores: room for group * length.
+// positions 0..length-1, whose rows row_of(p) gives; out: [group, dim] fp32. scores: room for group * length;
+// row: for dim, total: for group.
 template <typename KV, typename RowOf>
 void attend_generic(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t length,
-                    int64_t dim, const RowOf& row_of, float* scores, float* row, float* out) {
+                    int64_t dim, const RowOf& row_of, float* scores, float* row, float* total, float* out) {
   for (int64_t p = 0; p < length; ++p) {
     const float* key = widen(k_cache + row_of(p), row, dim);
     for (int64_t g = 0; g < group; ++g) scores[g * length + p] = dot(query + g * dim, key, dim);
   }
-  std::vector<float> total(group);
   for (int64_t g = 0; g < group; ++g) {
     float* weights = scores + g * length;
     total[g] = tokenmill::exp_sum(weights, length, *std::max_element(weights, weights + length));
@@ -81,16 +90,8 @@ void attend_generic(const float* query, int64_t group, const KV* k_cache, const 
     for (int64_t j = 0; j < dim; ++j) out[g * dim + j] /= total[g];
 }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
+#if defined(__AVX512F__)
 // attend_generic's arithmetic for dim = 16 * D16, one query head at a time: its D16 vectors, and those of its
 // output, stay in registers while the keys and values stream by, read straight from the pool (a pool row widened
 // in registers, no copy), block by block. The loops over each position's row through a buffer, with a division
@@ -134,7 +135,7 @@ void attend(const float* query, int64_t group, const KV* k_cache, const KV* v_ca
 template <typename KV>
 void attend_task(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t length,
                  const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t h, int64_t dim, float* scores,
-                 float* row, float* out) {
+                 float* row, float* total, float* out) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Half>) {
     if (dim == 64 || dim == 128) {
@@ -148,7 +149,7 @@ void attend_task(const float* query, int64_t group, const KV* k_cache, const KV*
   const auto row_of = [&](int64_t p) {
     return ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
   };
-  attend_generic(query, group, k_cache, v_cache, length, dim, row_of, scores, row, out);
+  attend_generic(query, group, k_cache, v_cache, length, dim, row_of, scores, row, total, out);
 }
 
 // q and out of T, the pool of KV (the fused layer's fp32 rows read a bf16 or fp16 pool).
@@ -159,7 +160,7 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
   const int64_t group = heads / kv_heads;
   // One task per (sequence, KV head): the group's query heads read its keys and values while they are in cache.
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), result(group * dim), row(dim), scores;
+    std::vector<float> query(group * dim), result(group * dim), row(dim), total(group), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads, length = lengths[s];
       const int64_t* table = tables + s * width;
@@ -168,7 +169,7 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
         for (int64_t j = 0; j < dim; ++j)
           query[g * dim + j] = static_cast<float>(q[(s * heads + h * group + g) * dim + j]) * scale;
       attend_task(query.data(), group, k_cache, v_cache, length, table, block_size, kv_heads, h, dim, scores.data(),
-                  row.data(), result.data());
+                  row.data(), total.data(), result.data());
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j)
           out[(s * heads + h * group + g) * dim + j] = static_cast<T>(result[g * dim + j]);

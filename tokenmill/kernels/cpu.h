@@ -27,20 +27,26 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// e^x as Cephes' expf computes it: x clamped to [-87.3, 88.7] (no overflow, no denormals), x = n ln2 + r with
+// |r| <= ln2 / 2 (ln2 in two parts), a degree-6 polynomial in r, times 2^n; within 2 ulp. The vector versions below
+// share these constants.
+namespace expf_poly {
+constexpr float kLow = -87.3f, kHigh = 88.7f, kLog2e = 1.44269504f, kLn2High = 0.693359375f,
+                kLn2Low = -2.12194440e-4f;
+// p(r) = ((((c0 r + c1) r + c2) r + c3) r + c4) r + c5, then e^r = p(r) r^2 + r + 1
+constexpr float kCoefficients[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                   4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace expf_poly
+
 #if defined(__AVX512F__)
-// e^x per lane (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), within 2 ulp;
-// x is clamped to [-87.3, 88.7], so it neither overflows nor gives denormals.
 inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  using namespace expf_poly;
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kLow)), _mm512_set1_ps(kHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kCoefficients[0]);
+  for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kCoefficients[c]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
@@ -48,17 +54,14 @@ inline __m512 exp512(__m512 x) {
 #if defined(__AVX2__) && defined(__FMA__)
 // exp512's arithmetic on 8 lanes (2^n put in the exponent bits, there being no scalef).
 inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), 
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  using namespace expf_poly;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kLow)), _mm256_set1_ps(kHigh));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 p = _mm256_set1_ps(kCoefficients[0]);
+  for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kCoefficients[c]));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
@@ -116,12 +119,11 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Activation rows quantized to int8 per block of 32: q, the block's scale, and per `sub` weights sum(q) (the zero
-// point multiplies it) and scale * sum(q) (the weights' shifts multiply these). quant.cpp.
+// Activation rows quantized to int8 per block of 32: q, the block's scale, and sum(q) per `sub` weights (the zero
+// point multiplies it, and with the block's scale the weights' shifts). quant.cpp.
 struct QuantizedRows {
   std::vector<int8_t> q;        // [rows, in]
   std::vector<float> scale;     // [rows, in / 32]
-  std::vector<float> sums;      // [rows, in / sub]
   std::vector<int32_t> isums;   // [rows, in / sub]
 };
 

@@ -54,7 +54,7 @@ using tokenmill::QuantizedRows;
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, int64_t sub) {
   const int64_t blocks = in / kBlock, groups = in / sub;
   QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
-                    std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
+                    std::vector<int32_t>(rows * groups)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
@@ -72,11 +72,8 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, int64_t su
         }
         out.scale[r * blocks + b] = d;
         const int64_t parts = kBlock / sub;  // 1, or 2 halves of 16
-        for (int64_t p = 0; p < parts; ++p) {
-          const int32_t sum = parts == 1 ? sums[0] + sums[1] : sums[p];
-          out.isums[r * groups + b * parts + p] = sum;
-          out.sums[r * groups + b * parts + p] = d * static_cast<float>(sum);
-        }
+        for (int64_t p = 0; p < parts; ++p)
+          out.isums[r * groups + b * parts + p] = parts == 1 ? sums[0] + sums[1] : sums[p];
       }
     }
   });
@@ -174,12 +171,10 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
   const S* shift = w.shift ? static_cast<const S*>(w.shift) + g * groups * kLanes : nullptr;
   const int8_t* xq[N];
   const float* xs[N];
-  const float* xsums[N];
   const int32_t* xisums[N];
   for (int i = 0; i < N; ++i) {
     xq[i] = x.q.data() + (r0 + i) * w.in;
     xs[i] = x.scale.data() + (r0 + i) * blocks;
-    xsums[i] = x.sums.data() + (r0 + i) * groups;
     xisums[i] = x.isums.data() + (r0 + i) * groups;
   }
 #if defined(TOKENMILL_AVX2)
@@ -199,7 +194,7 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
         for (int i = 0; i < N; ++i) acc[i] = V::fma(sums[i], scale, xs[i][b], acc[i]);
         if (shift) {
           const typename V::F s = V::load_f(shift + k * kLanes + lane0);
-          for (int i = 0; i < N; ++i) acc[i] = V::fma(s, xsums[i][k], acc[i]);
+          for (int i = 0; i < N; ++i) acc[i] = V::fma(s, xs[i][b] * static_cast<float>(xisums[i][k]), acc[i]);
         }
       };
       const auto start = [&](int64_t k) {
@@ -245,7 +240,10 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
           sum += v * xq[i][j];
         }
         acc += static_cast<float>(sum) * (static_cast<float>(scales[k * kLanes + lane]) * xs[i][k * SUB / kBlock]);
-        if (shift) acc += static_cast<float>(shift[k * kLanes + lane]) * xsums[i][k];
+        if (shift) {
+          const float x_sum = xs[i][k * SUB / kBlock] * static_cast<float>(xisums[i][k]);
+          acc += static_cast<float>(shift[k * kLanes + lane]) * x_sum;
+        }
       }
       out[i][lane] = acc;
     }
