@@ -85,9 +85,9 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
                deterministic: bool = False) -> LoadedModel:
     """quantized: keep a GGUF's quantized matrices in their quantization (on CPU, where the kernels build), with
     dense copies for many-row steps where they fit dense_budget bytes (None: the default for the CPU and dtype,
-    models/registry.py; else, steps of dequantize_from_rows rows or
-    more dequantize each matrix for its matmul; 0: never); fused_decode: decode steps run each layer
-    of quantized weights as one C++ op; deterministic: batch-invariant throughout (models/registry.py)."""
+    models/registry.py); without them, steps of dequantize_from_rows rows or more dequantize each matrix for its
+    matmul (0: never); fused_decode: decode steps run each layer of quantized weights as one C++ op;
+    deterministic: batch-invariant throughout (models/registry.py)."""
     path = resolve(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
