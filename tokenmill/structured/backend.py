@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: that one imports torch.compile (~110 MiB resident)
 import numpy as np
 import torch
 
@@ -108,11 +108,11 @@ class GrammarCompiler:
 
     def fill_masks(self, grammars: list[Grammar]) -> torch.Tensor:
         """[len(grammars), vocab_rows] bool: the tokens each grammar allows next, computed in parallel."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(grammars), self.vocab_rows)
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(grammars), self.vocab_rows)
         if len(grammars) == 1:  # on this thread: the executor's pool would wake (and spin) for one mask
-            llguidance.torch.fill_next_token_bitmask(grammars[0].matcher, bitmask)
+            llguidance.numpy.fill_next_token_bitmask(grammars[0].matcher, bitmask)
         else:
-            llguidance.torch.fill_next_token_bitmask_par(
+            llguidance.numpy.fill_next_token_bitmask_par(
                 self._executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
         return torch.from_numpy(bits[:, :self.vocab_rows]).bool()
