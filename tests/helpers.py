@@ -187,13 +187,19 @@ def hf_configs() -> dict[str, Any]:
     }
 
 
-def save_random_hf_model(folder: Path, config: Any) -> None:
-    """A random-weight transformers model of config, saved as a Hugging Face folder with a byte-level tokenizer."""
+def save_random_hf_model(folder: Path, config: Any, norm_noise: float = 0.0) -> None:
+    """A random-weight transformers model of config, saved as a Hugging Face folder with a byte-level tokenizer.
+    norm_noise: added to every norm weight (some families initialise them all to one value, so that a norm read the
+    wrong way could pass unnoticed)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(norm_noise * torch.randn_like(param))
     model.save_pretrained(folder)
     tok = Tokenizer(models.BPE({c: i for i, c in enumerate(_byte_to_unicode())}, []))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

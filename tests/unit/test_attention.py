@@ -6,21 +6,22 @@ import pytest
 import torch
 
 from tokenmill import kernels
-from tokenmill.layers.attention import _decode_attention
+from tokenmill.layers.attention import _causal_sdpa, _decode_attention, _window_mask
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
-              scale: float) -> torch.Tensor:
-    """float64, one sequence and one head at a time, over only the keys that exist."""
+              scale: float, window: int = 0) -> torch.Tensor:
+    """float64, one sequence and one head at a time, over only the keys that exist (the last `window` of them)."""
     b, heads, _ = q.shape
     group = heads // keys.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
     for i in range(b):
+        first = max(lengths[i] - window, 0) if window else 0
         for h in range(heads):
-            k = keys[i, : lengths[i], h // group].double()
-            v = values[i, : lengths[i], h // group].double()
+            k = keys[i, first: lengths[i], h // group].double()
+            v = values[i, first: lengths[i], h // group].double()
             out[i, h] = ((q[i, h].double() @ k.T) * scale).softmax(-1) @ v
     return out
 
@@ -55,8 +56,10 @@ def test_no_mask_means_every_key(dtype: torch.dtype) -> None:
 
 @pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 have a vector path of their own (AVX-512)
-def test_the_paged_kernel_reads_each_sequence_through_its_block_table(dtype: torch.dtype, dim: int) -> None:
+@pytest.mark.parametrize("dim", [16, 64, 128, 256])  # 64 and 128 have a vector path of their own (AVX-512)
+@pytest.mark.parametrize("window", [0, 6])  # 6: a sliding layer's, starting inside a block
+def test_the_paged_kernel_reads_each_sequence_through_its_block_table(dtype: torch.dtype, dim: int,
+                                                                      window: int) -> None:
     """kernels/attention.cpp against the same reference: scattered, shared and padded blocks in the pool."""
     torch.manual_seed(2)
     b, heads, kv_heads, block, width = 4, 6, 2, 4, 5
@@ -73,7 +76,29 @@ def test_the_paged_kernel_reads_each_sequence_through_its_block_table(dtype: tor
             pool_k[tables[i, j]] = keys[i, j * block:(j + 1) * block]
             pool_v[tables[i, j]] = values[i, j * block:(j + 1) * block]
     q = torch.randn(b, heads, dim, dtype=dtype)
-    out = torch.ops.tokenmill.paged_decode_attention(q, pool_k, pool_v, tables, torch.tensor(lengths), dim**-0.5)
+    out = torch.ops.tokenmill.paged_decode_attention(q, pool_k, pool_v, tables, torch.tensor(lengths), dim**-0.5,
+                                                     window)
     assert out.shape == q.shape and out.dtype == dtype
-    diff = (out.double() - reference(q, keys, values, lengths, dim**-0.5)).abs().max().item()
+    diff = (out.double() - reference(q, keys, values, lengths, dim**-0.5, window)).abs().max().item()
     assert diff < TOLERANCE[dtype], diff
+    lengths_mask = (torch.arange(width * block)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    mask = _window_mask(lengths_mask, torch.tensor(lengths), width * block, window)  # torch's path, the same keys
+    out = _decode_attention(q, keys, values, mask, dim**-0.5)
+    diff = (out.double() - reference(q, keys, values, lengths, dim**-0.5, window)).abs().max().item()
+    assert diff < TOLERANCE[dtype], diff
+
+
+@pytest.mark.parametrize("start", [0, 3, 20])
+@pytest.mark.parametrize("n", [1, 9])
+def test_a_sliding_window_prefill_sees_the_window_up_to_each_query(start: int, n: int) -> None:
+    """_causal_sdpa with a window: query i sees key j where 0 <= i - j < window, on absolute positions (a chunk
+    that starts deep into the sequence, or at its beginning; one query or several)."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, window = 4, 2, 16, 5
+    q = torch.randn(n, heads, dim)
+    keys, values = torch.randn(start + n, kv_heads, dim), torch.randn(start + n, kv_heads, dim)
+    out = _causal_sdpa(q, keys, values, start, dim**-0.5, window)
+    # Each query as one decode row over the keys up to it.
+    lengths = [start + i + 1 for i in range(n)]
+    expected = reference(q, keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), lengths, dim**-0.5, window)
+    assert (out.double() - expected).abs().max().item() < 1e-5

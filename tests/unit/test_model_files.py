@@ -39,7 +39,7 @@ from tokenmill.models.registry import build_model
 def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "x.gguf", architecture="mamba")
     with pytest.raises(ModelFormatError, match="^unsupported architecture 'mamba' in x.gguf; supported: llama, "
-                                               "qwen2, qwen3$"):
+                                               "qwen2, qwen3, gemma3$"):
         load_model(str(path), device="cpu")
 
 
@@ -372,9 +372,10 @@ def test_weights_take_the_requested_dtype_and_device_contiguous(hf_folders: dict
     """However the checkpoint's tensors come (here float32, matrices transposed in memory), the parameters are the
     compute dtype on the compute device, contiguous, and nothing is left on the meta device."""
     folder = hf_folders["qwen3"]
+    config = st_loader.model_config(folder)
     weights = ((name, t.t().contiguous().t() if t.dim() == 2 else t) for name, t in
-               st_loader.load_weights(folder, torch.float32))
-    model = build_model(st_loader.model_config(folder), weights, torch.bfloat16, torch.device(device), 64,
+               st_loader.load_weights(folder, config, torch.float32))
+    model = build_model(config, weights, torch.bfloat16, torch.device(device), 64,
                         prepack=False)
     params = dict(model.named_parameters())
     assert len(params) == 3 + 2 * 8  # embeddings, norm, head; per layer 4 norms (2 for q/k), 4 matrices (2 fused)
@@ -398,7 +399,10 @@ def test_a_loaded_model_does_not_change_with_its_file(hf_folders: dict[str, Path
 
 
 def test_an_unsupported_model_type_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(ModelFormatError, match=f"^unsupported model_type 'mamba' in {re.escape(str(tmp_path))}; "
+                                               "supported: llama, mistral, qwen2, qwen3, gemma3$"):
+        load_model(str(tmp_path), device="cpu")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
-    with pytest.raises(ModelFormatError, match=f"^unsupported model_type 'gemma3' in {re.escape(str(tmp_path))}; "
-                                               "supported: llama, mistral, qwen2, qwen3$"):
+    with pytest.raises(ModelFormatError, match="is a multimodal Gemma 3 checkpoint; tokenmill serves the text models"):
         load_model(str(tmp_path), device="cpu")

@@ -8,6 +8,7 @@ import pytest
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.errors import RequestError
+from tokenmill.loader.chat_template import ChatTemplate
 from tokenmill.loader.gguf import GGUFFile
 from tokenmill.loader.sources import pull
 from tokenmill.loader.tokenizer import Tokenizer
@@ -73,6 +74,44 @@ def test_sentencepiece_tokenizer_from_gguf_matches_transformers(gemma_tokenizer:
     _check_against_transformers(gemma_tokenizer, pull("gemma3-270m", quiet=True))
     assert gemma_tokenizer.encode("hi")[0] == 2  # add_bos_token: <bos> first
     assert gemma_tokenizer.encode("<end_of_turn>", add_special_tokens=False)[0] in gemma_tokenizer.eos_token_ids
+
+
+# Gemma 3's chat template, its text parts (google/gemma-3-*-it): no system role, the system text opens the first
+# user turn; the template writes <bos> itself.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+@pytest.mark.slow
+def test_gemma_prompts_start_with_exactly_one_bos(gemma_tokenizer: Tokenizer) -> None:
+    """Gemma degrades with two <bos> or none: a completions prompt that writes its own, a chat template that writes
+    it (Gemma 3's) and one that does not (the fallback, for the base model) all give one; the system text folds
+    into the first user turn; generation ends on <eos> and on <end_of_turn>."""
+    bos = 2
+    assert gemma_tokenizer.encode("<bos>The capital of France is") == gemma_tokenizer.encode(
+        "The capital of France is")
+    assert gemma_tokenizer.encode("<bos><bos>hi")[:2] == [bos, gemma_tokenizer.encode("hi")[1]]
+    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello?"}]
+    for source in (GEMMA3_TEMPLATE, None):
+        template = ChatTemplate(source, gemma_tokenizer.bos_token, gemma_tokenizer.eos_token)
+        prompt = template.render(messages, timeout=5, max_chars=10_000)
+        ids = gemma_tokenizer.encode_chat(prompt, [m["content"] for m in messages])
+        assert ids[0] == bos and ids[1] != bos
+    gemma = ChatTemplate(GEMMA3_TEMPLATE, gemma_tokenizer.bos_token, gemma_tokenizer.eos_token)
+    assert gemma.render(messages, timeout=5, max_chars=10_000) == (
+        "<bos><start_of_turn>user\nAnswer in French.\n\nHello?<end_of_turn>\n<start_of_turn>model\n")
+    ends = gemma_tokenizer.encode("<eos><end_of_turn>", add_special_tokens=False)
+    assert len(ends) == 2 and set(ends) <= gemma_tokenizer.eos_token_ids
 
 
 @pytest.mark.slow

@@ -92,36 +92,39 @@ void attend_generic(const float* query, int64_t group, const KV* k_cache, const 
 
 
 #if defined(__AVX512F__)
-// attend_generic's arithmetic for dim = 16 * D16, one query head at a time: its D16 vectors, and those of its
-// output, stay in registers while the keys and values stream by, read straight from the pool (a pool row widened
-// in registers, no copy), block by block. The loops over each position's row through a buffer, with a division
-// per position for its block, took ~400 cycles a position at 32 rows (measured on Zen 4).
+// attend_generic's arithmetic for dim = 16 * D16, over positions first..length-1, one query head at a time: its
+// D16 vectors, and those of its output, stay in registers while the keys and values stream by, read straight from
+// the pool (a pool row widened in registers, no copy), block by block. The loops over each position's row through
+// a buffer, with a division per position for its block, took ~400 cycles a position at 32 rows (measured on Zen 4).
 template <int D16, typename KV>
-void attend(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t length,
-            const int64_t* table, int64_t block_size, int64_t stride, int64_t head, float* scores, float* out) {
+void attend(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t first,
+            int64_t length, const int64_t* table, int64_t block_size, int64_t stride, int64_t head, float* scores,
+            float* out) {
   constexpr int64_t dim = 16 * D16;
-  const int64_t blocks = (length + block_size - 1) / block_size;
+  const int64_t keys = length - first;
   for (int64_t g = 0; g < group; ++g) {
     __m512 q[D16];
     for (int d = 0; d < D16; ++d) q[d] = _mm512_loadu_ps(query + g * dim + 16 * d);
-    float* weights = scores + g * length;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const KV* key = k_cache + table[b] * block_size * stride + head * dim;
-      const int64_t n = std::min(block_size, length - b * block_size);
-      for (int64_t p = 0; p < n; ++p, key += stride) {
+    float* weights = scores + g * keys;  // position p's at p - first
+    for (int64_t b = first / block_size; b * block_size < length; ++b) {
+      const int64_t lo = std::max(first - b * block_size, int64_t{0});
+      const int64_t hi = std::min(block_size, length - b * block_size);
+      const KV* key = k_cache + (table[b] * block_size + lo) * stride + head * dim;
+      for (int64_t p = lo; p < hi; ++p, key += stride) {
         __m512 acc = _mm512_mul_ps(q[0], load16(key));
         for (int d = 1; d < D16; ++d) acc = _mm512_fmadd_ps(q[d], load16(key + 16 * d), acc);
-        weights[b * block_size + p] = _mm512_reduce_add_ps(acc);
+        weights[b * block_size + p - first] = _mm512_reduce_add_ps(acc);
       }
     }
-    const float total = tokenmill::exp_sum(weights, length, *std::max_element(weights, weights + length));
+    const float total = tokenmill::exp_sum(weights, keys, *std::max_element(weights, weights + keys));
     __m512 acc[D16];
     for (int d = 0; d < D16; ++d) acc[d] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const KV* value = v_cache + table[b] * block_size * stride + head * dim;
-      const int64_t n = std::min(block_size, length - b * block_size);
-      for (int64_t p = 0; p < n; ++p, value += stride) {
-        const __m512 w = _mm512_set1_ps(weights[b * block_size + p]);
+    for (int64_t b = first / block_size; b * block_size < length; ++b) {
+      const int64_t lo = std::max(first - b * block_size, int64_t{0});
+      const int64_t hi = std::min(block_size, length - b * block_size);
+      const KV* value = v_cache + (table[b] * block_size + lo) * stride + head * dim;
+      for (int64_t p = lo; p < hi; ++p, value += stride) {
+        const __m512 w = _mm512_set1_ps(weights[b * block_size + p - first]);
         for (int d = 0; d < D16; ++d) acc[d] = _mm512_fmadd_ps(w, load16(value + 16 * d), acc[d]);
       }
     }
@@ -131,45 +134,49 @@ void attend(const float* query, int64_t group, const KV* k_cache, const KV* v_ca
 }
 #endif
 
-// attend where it applies (AVX-512; head dims 64 and 128; fp32, bf16 or fp16 pools), else attend_generic.
+// attend where it applies (AVX-512; head dims 64 and 128; fp32, bf16 or fp16 pools), else attend_generic; over
+// positions first..length-1 (first > 0: a sliding window).
 template <typename KV>
-void attend_task(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t length,
+void attend_task(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t first, int64_t length,
                  const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t h, int64_t dim, float* scores,
                  float* row, float* total, float* out) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Half>) {
     if (dim == 64 || dim == 128) {
-      (dim == 64 ? attend<4, KV> : attend<8, KV>)(query, group, k_cache, v_cache, length, table, block_size,
+      (dim == 64 ? attend<4, KV> : attend<8, KV>)(query, group, k_cache, v_cache, first, length, table, block_size,
                                                   kv_heads * dim, h, scores, out);
       return;
     }
   }
 #endif
   // Position p's row of this KV head in the pool.
-  const auto row_of = [&](int64_t p) {
+  const auto row_of = [&](int64_t i) {
+    const int64_t p = first + i;
     return ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
   };
-  attend_generic(query, group, k_cache, v_cache, length, dim, row_of, scores, row, total, out);
+  attend_generic(query, group, k_cache, v_cache, length - first, dim, row_of, scores, row, total, out);
 }
 
-// q and out of T, the pool of KV (the fused layer's fp32 rows read a bf16 or fp16 pool).
+// q and out of T, the pool of KV (the fused layer's fp32 rows read a bf16 or fp16 pool). window > 0: each query
+// sees its last `window` keys only (Gemma's sliding layers: 0 <= i - j < window).
 template <typename T, typename KV>
 void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lengths, T* out,
             int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t width,
-            float scale) {
+            float scale, int64_t window) {
   const int64_t group = heads / kv_heads;
   // One task per (sequence, KV head): the group's query heads read its keys and values while they are in cache.
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), result(group * dim), row(dim), total(group), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads, length = lengths[s];
+      const int64_t first = window > 0 ? std::max(length - window, int64_t{0}) : 0;
       const int64_t* table = tables + s * width;
       scores.resize(group * length);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j)
           query[g * dim + j] = static_cast<float>(q[(s * heads + h * group + g) * dim + j]) * scale;
-      attend_task(query.data(), group, k_cache, v_cache, length, table, block_size, kv_heads, h, dim, scores.data(),
-                  row.data(), total.data(), result.data());
+      attend_task(query.data(), group, k_cache, v_cache, first, length, table, block_size, kv_heads, h, dim,
+                  scores.data(), row.data(), total.data(), result.data());
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j)
           out[(s * heads + h * group + g) * dim + j] = static_cast<T>(result[g * dim + j]);
@@ -180,7 +187,8 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
 // q: [seqs, heads, dim]; caches: [blocks, block size, kv heads, dim]; tables: [seqs, width] block ids;
 // lengths: [seqs] keys per sequence (its new token's included, already written to the pool).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& tables_in, const at::Tensor& lengths_in, double scale) {
+                                  const at::Tensor& tables_in, const at::Tensor& lengths_in, double scale,
+                                  int64_t window) {
   const at::Tensor q = q_in.contiguous();
   const at::Tensor tables = tables_in.to(at::kLong).contiguous();
   const at::Tensor lengths = lengths_in.to(at::kLong).contiguous();
@@ -200,7 +208,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      tables.data_ptr<int64_t>(), len, out.data_ptr<scalar_t>(), seqs, heads, kv_heads, dim,
-                     block_size, width, static_cast<float>(scale));
+                     block_size, width, static_cast<float>(scale), window);
   });
   return out;
 }
@@ -211,7 +219,8 @@ template <typename KV>
 void tokenmill::paged_decode_rows(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* tables,
                                   const int64_t* lengths, float* out, int64_t seqs, int64_t heads, int64_t kv_heads,
                                   int64_t dim, int64_t block_size, int64_t width, float scale) {
-  decode<float, KV>(q, k_cache, v_cache, tables, lengths, out, seqs, heads, kv_heads, dim, block_size, width, scale);
+  decode<float, KV>(q, k_cache, v_cache, tables, lengths, out, seqs, heads, kv_heads, dim, block_size, width, scale,
+                    0);
 }
 
 #define TOKENMILL_PAGED_DECODE_ROWS(KV)                                                                            \
@@ -221,7 +230,7 @@ TOKENMILL_FOR_POOL_DTYPES(TOKENMILL_PAGED_DECODE_ROWS)
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lengths, "
-        "float scale) -> Tensor");
+        "float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -53,14 +53,21 @@ class ContiguousMetadata:
 AttentionMetadata = PagedMetadata | ContiguousMetadata
 
 
-def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                 scale: float) -> torch.Tensor:
-    """q: [n, heads, dim] at positions start..start+n-1; keys/values: [start + n, kv heads, dim]."""
+def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
+                 window: int = 0) -> torch.Tensor:
+    """q: [n, heads, dim] at positions start..start+n-1; keys/values: [start + n, kv heads, dim]. window > 0: query
+    i sees key j where 0 <= i - j < window (a sliding layer), else every j <= i."""
     n = q.shape[0]
+    first = max(start - window + 1, 0) if window else 0  # no query of the chunk sees a key before it
+    keys, values = keys[first:], values[first:]
     mask = None
-    if n > 1:
-        query_pos = torch.arange(start, start + n, device=q.device)
-        mask = (torch.arange(keys.shape[0], device=q.device)[None, :] <= query_pos[:, None])[None, None]
+    if n > 1:  # one query sees every key from first on
+        query_pos = torch.arange(start, start + n, device=q.device)[:, None]
+        key_pos = torch.arange(first, start + n, device=q.device)[None, :]
+        mask = key_pos <= query_pos
+        if window:
+            mask &= key_pos > query_pos - window
+        mask = mask[None, None]
     # Batched 4-D inputs: with them CPU SDPA takes its flash kernel for a masked GQA call (measured 3.3x faster
     # than the 3-D form, which falls back to the math path).
     return F.scaled_dot_product_attention(
@@ -76,6 +83,15 @@ def _head_blocks(kv_heads: int, group: int, scale: float, dtype: torch.dtype,
     the scale where a query head reads a KV head and 0 elsewhere, and the query heads' indices."""
     own = torch.eye(kv_heads, dtype=dtype, device=device).repeat_interleave(group, dim=0) * scale
     return own, torch.arange(kv_heads * group, device=device)
+
+
+def _window_mask(mask: torch.Tensor | None, lengths: torch.Tensor, keys: int, window: int) -> torch.Tensor | None:
+    """_decode_attention's key mask [b, 1, 1, keys] with a sliding window: each sequence's last `window` keys."""
+    if not window:
+        return mask
+    inside = torch.arange(keys, device=lengths.device)[None, :] >= (lengths - window)[:, None]
+    inside = inside[:, None, None, :]
+    return inside if mask is None else mask & inside
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -105,39 +121,40 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return mixed[:, head, head // group]
 
 
-def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float) -> torch.Tensor:
+def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float, window: int) -> torch.Tensor:
     """Attention over the pool, this step's K/V already written to it."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]  # [blocks, block size, kv heads, dim]
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     b = meta.num_decodes
     if meta.row_tables is not None:  # deterministic: one kernel for every row (checked at load: it is built)
         return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.row_tables, meta.row_lengths,
-                                                          scale)
+                                                          scale, window)
     if b == q.shape[0] and q.device.type == "cpu" and kernels.load():  # decodes only: the kernel's output is all
         return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1),
-                                                          meta.decode_lengths, scale)
+                                                          meta.decode_lengths, scale, window)
     out = torch.empty_like(q)
     if b and q.device.type == "cpu" and kernels.load():  # read from the pool through the tables (kernels/)
         tables = meta.decode_tables.view(b, -1)
         out[:b] = torch.ops.tokenmill.paged_decode_attention(q[:b], k_cache, v_cache, tables, meta.decode_lengths,
-                                                             scale)
+                                                             scale, window)
     elif b:
         # index_select, not advanced indexing: 2.5x faster for this gather on CPU (measured)
         keys = k_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
         values = v_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
-        out[:b] = _decode_attention(q[:b], keys, values, meta.decode_mask, scale)
+        mask = _window_mask(meta.decode_mask, meta.decode_lengths, keys.shape[1], window)
+        out[:b] = _decode_attention(q[:b], keys, values, mask, scale)
     row = b
     for s, table in meta.prefills:
         end = s.start + s.num_tokens
         keys = k_cache.index_select(0, table).view(-1, kv_heads, dim)[:end]
         values = v_cache.index_select(0, table).view(-1, kv_heads, dim)[:end]
-        out[row:row + s.num_tokens] = _causal_sdpa(q[row:row + s.num_tokens], keys, values, s.start, scale)
+        out[row:row + s.num_tokens] = _causal_sdpa(q[row:row + s.num_tokens], keys, values, s.start, scale, window)
         row += s.num_tokens
     return out
 
 
 def _contiguous(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ContiguousMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int) -> torch.Tensor:
     out = torch.empty_like(q)
     row = 0
     for s, buffer in zip(meta.slices, meta.buffers, strict=True):
@@ -147,26 +164,29 @@ def _contiguous(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         buf[0, s.start:end] = k[rows]
         buf[1, s.start:end] = v[rows]
         if s.num_tokens == 1:  # the decode kernel the paged layout uses, so an A/B compares layouts, not kernels
-            out[rows] = _decode_attention(q[rows], buf[0, :end][None], buf[1, :end][None], None, scale)
+            first = max(end - window, 0) if window else 0
+            out[rows] = _decode_attention(q[rows], buf[0, first:end][None], buf[1, first:end][None], None, scale)
         else:
-            out[rows] = _causal_sdpa(q[rows], buf[0, :end], buf[1, :end], s.start, scale)
+            out[rows] = _causal_sdpa(q[rows], buf[0, :end], buf[1, :end], s.start, scale, window)
         row += s.num_tokens
     return out
 
 
 def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-              scale: float) -> torch.Tensor:
-    """q: [tokens, heads, dim]; k, v: [tokens, kv heads, dim] (this step's new tokens) -> [tokens, heads, dim]."""
+              scale: float, window: int = 0) -> torch.Tensor:
+    """q: [tokens, heads, dim]; k, v: [tokens, kv heads, dim] (this step's new tokens) -> [tokens, heads, dim].
+    window > 0: a sliding layer's, each query sees the `window` keys up to its own (masked out of a full KV cache)."""
     if isinstance(meta, PagedMetadata):
         k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
-        return _attend_paged(layer, q, meta, scale)
-    return _contiguous(layer, q, k, v, meta, scale)
+        return _attend_paged(layer, q, meta, scale, window)
+    return _contiguous(layer, q, k, v, meta, scale, window)
 
 
 def fused_rotary_attention(layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                           meta: AttentionMetadata, heads: int, kv_heads: int, scale: float) -> torch.Tensor | None:
+                           meta: AttentionMetadata, heads: int, kv_heads: int, scale: float,
+                           window: int = 0) -> torch.Tensor | None:
     """attention() from the fused q|k|v projection [tokens, (heads + 2 kv heads) * dim], RoPE applied: one C++ op
     rotates q and k and writes k and v to the pool (kernels/rope.cpp). None where it does not run (no kernels, not
     a paged CPU pool): the caller takes the torch path."""
@@ -175,4 +195,4 @@ def fused_rotary_attention(layer: int, qkv: torch.Tensor, rope: tuple[torch.Tens
     cos, sin = rope
     q = torch.ops.tokenmill.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer],
                                           meta.slot_mapping, heads, kv_heads)
-    return _attend_paged(layer, q, meta, scale)
+    return _attend_paged(layer, q, meta, scale, window)

@@ -124,7 +124,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
             template_source = (path / "chat_template.jinja").read_text(encoding="utf-8")
         elif (path / "tokenizer_config.json").exists():
             template_source = st_loader.read_json(path / "tokenizer_config.json").get("chat_template")
-        weights = st_loader.load_weights(path, torch_dtype)
+        weights = st_loader.load_weights(path, config, torch_dtype)
     else:
         raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
     chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)

@@ -49,7 +49,25 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router, and the experts' weights stacked [experts, ...]
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Architectures llama.cpp converts with Llama's q/k row permutation (its rope type NORM; undone below).
+_PERMUTED = ("llama", "granitemoe")
+_MOE = ("qwen3moe", "olmoe", "granitemoe")
+# Gemma 3's four norms a layer: llama.cpp names the one before the MLP ffn_norm, as Llama's second norm.
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's Gemma 3: the last of every six layers is global (the GGUF names no pattern), the sliding layers'
+# RoPE base is 10,000 (no key either), and the attention scale is head_dim^-0.5 but for the 27B model (62 layers),
+# whose query_pre_attn_scalar is hidden / heads.
+GEMMA3_GLOBAL_EVERY = 6
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -142,14 +160,50 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         rope_freq_factors=freq_factors,
     )
+    if arch == "gemma3":
+        _gemma3_config(gguf, config)
+    if arch in _MOE:
+        _moe_config(gguf, config)
     # The model is allocated from the metadata: it must describe the tensors the file holds, or a crafted header
     # could claim a model far larger than the file.
-    in_file = sum(int(t.n_elements) for t in gguf.reader.tensors if _hf_name(t.name))
+    in_file = sum(int(t.n_elements) for t in gguf.reader.tensors if _hf_name(t.name, arch))
     if config.num_parameters() != in_file:
         raise ModelFormatError(
             f"{gguf.path.name}: the metadata describes a model of {config.num_parameters()} weights, the file holds "
             f"{in_file}")
     return config
+
+
+def _gemma3_config(gguf: GGUFFile, config: ModelConfig) -> None:
+    config.hidden_act = "gelu_tanh"
+    config.embedding_multiplier = config.hidden_size**0.5
+    if config.num_layers == 62:
+        config.query_pre_attn_scalar = config.hidden_size / config.num_heads
+    config.sliding_window = _positive_int(gguf, "attention.sliding_window")
+    config.sliding_layers = tuple((i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(config.num_layers))
+    scaling = gguf.arch_value("rope.scaling.type")
+    if scaling == "linear":  # the global layers' (4B and larger); llama.cpp reads the factor as transformers does
+        factor = _positive_float(gguf, "rope.scaling.factor", 1.0)
+        config.rope_freq_factors = (factor,) * (config.head_dim // 2)
+    elif scaling not in (None, "none"):
+        raise ModelFormatError(f"{gguf.path.name}: unsupported rope scaling {scaling!r}")
+
+
+def _moe_config(gguf: GGUFFile, config: ModelConfig) -> None:
+    """llama.cpp's keys; it renormalises the chosen experts' weights for Qwen3-MoE and Granite, not for OLMoE."""
+    config.num_experts = _positive_int(gguf, "expert_count")
+    config.num_experts_per_tok = _positive_int(gguf, "expert_used_count")
+    config.moe_intermediate_size = _positive_int(gguf, "expert_feed_forward_length", config.intermediate_size)
+    config.norm_topk_prob = bool(gguf.arch_value("expert_weights_norm", config.architecture != "olmoe"))
+    if config.architecture == "olmoe":
+        config.qk_norm_per_head = False
+        clip = gguf.arch_value("attention.clamp_kqv")
+        config.clip_qkv = None if clip is None else _positive_float(gguf, "attention.clamp_kqv", 0.0)
+    if config.architecture == "granitemoe":
+        config.embedding_multiplier = _positive_float(gguf, "embedding_scale", 1.0)
+        config.attention_multiplier = _positive_float(gguf, "attention.scale", config.head_dim**-0.5)
+        config.residual_multiplier = _positive_float(gguf, "residual_scale", 1.0)
+        config.logits_scaling = _positive_float(gguf, "logit_scale", 1.0)
 
 
 def _positive_int(gguf: GGUFFile, key: str, default: int | None = None) -> int:
@@ -168,13 +222,14 @@ def _positive_float(gguf: GGUFFile, key: str, default: float) -> float:
     return float(value)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     return None
 
 
@@ -203,7 +258,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     with keep_quantized, matrices of the types gguf_blocks reads as QuantizedWeights (the rest dequantized)."""
     check_tensor_types(gguf)
     for tensor in gguf.reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.architecture)
         if name is None:
             continue  # rope_freqs is read into the config; anything else is not part of the forward pass
         value: torch.Tensor | QuantizedWeight
@@ -212,7 +267,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         else:
             array = dequantize(tensor.data, tensor.tensor_type)
             value = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # a copy: the map is read-only
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if config.architecture in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             order = _unpermute(torch.arange(value.shape[0]), heads)
             value = value.rows(order) if isinstance(value, QuantizedWeight) else value[order]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -43,9 +44,19 @@ def _llama3_freq_factors(scaling: dict[str, Any], head_dim: int, theta: float) -
     return tuple(factors)
 
 
+# Hugging Face model_type -> the registry's architecture, where they differ.
+_ARCHITECTURE_OF = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
+# Gemma's RMSNorm weights are w in x * (1 + w): the model takes 1 + w (as GGUF files hold them).
+_GEMMA_NORMS = ("layernorm.weight", "norm.weight")
+
+
 def model_config(folder: Path) -> ModelConfig:
     cfg = read_json(folder / "config.json")
     model_type = cfg.get("model_type", "")
+    if model_type == "gemma3":
+        raise ModelFormatError(f"{folder} is a multimodal Gemma 3 checkpoint; tokenmill serves the text models "
+                               f"(model_type gemma3_text, e.g. gemma-3-270m and gemma-3-1b)")
+    model_type = _ARCHITECTURE_OF.get(model_type, model_type)
     if model_type not in MODEL_CLASSES:
         raise ModelFormatError(
             f"unsupported model_type {model_type!r} in {folder}; supported: {', '.join(MODEL_CLASSES)}"
@@ -53,13 +64,20 @@ def model_config(folder: Path) -> ModelConfig:
     hidden = cfg["hidden_size"]
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // num_heads
-    # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
+    # transformers 5 moved rope_theta and rope_scaling into rope_parameters (keyed by layer type for Gemma 3).
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    local_rope = rope.get("sliding_attention", {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)})
+    rope = rope.get("full_attention", rope)
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
+    if rope_type not in ("default", "llama3", "linear"):
         raise ModelFormatError(f"unsupported rope scaling {rope_type!r} in {folder}")
-    return ModelConfig(
+    freq_factors = None
+    if rope_type == "llama3":
+        freq_factors = _llama3_freq_factors(rope, head_dim, theta)
+    elif rope_type == "linear":
+        freq_factors = (float(rope["factor"]),) * (head_dim // 2)
+    config = ModelConfig(
         architecture=model_type,
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
@@ -73,17 +91,96 @@ def model_config(folder: Path) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-        qk_norm=model_type == "qwen3",
-        rope_freq_factors=_llama3_freq_factors(rope, head_dim, theta) if rope_type == "llama3" else None,
+        qk_norm=model_type in ("qwen3", "gemma3"),
+        rope_freq_factors=freq_factors,
     )
+    if model_type == "gemma3":
+        config.hidden_act = "gelu_tanh"
+        config.embedding_multiplier = hidden**0.5
+        config.query_pre_attn_scalar = float(cfg.get("query_pre_attn_scalar", head_dim))
+        config.sliding_window = int(cfg.get("sliding_window") or 0)
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(config.num_layers)]
+        config.sliding_layers = tuple(t == "sliding_attention" for t in types)
+        config.rope_local_theta = float(local_rope.get("rope_theta", 10000.0))
+    if model_type in ("qwen3moe", "olmoe", "granitemoe"):
+        _moe_config(cfg, config, folder)
+    return config
 
 
-def load_weights(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _moe_config(cfg: dict[str, Any], config: ModelConfig, folder: Path) -> None:
+    """Qwen3-MoE sizes its experts by moe_intermediate_size, OLMoE and Granite by intermediate_size."""
+    config.num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    config.num_experts_per_tok = cfg["num_experts_per_tok"]
+    config.moe_intermediate_size = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    config.norm_topk_prob = config.architecture == "granitemoe" or bool(cfg.get("norm_topk_prob", False))
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ModelFormatError(f"{folder}: dense layers between the sparse ones (decoder_sparse_step, "
+                               f"mlp_only_layers) are not supported")
+    if config.architecture == "olmoe":
+        config.qk_norm, config.qk_norm_per_head = True, False
+        config.clip_qkv = cfg.get("clip_qkv")
+    if config.architecture == "qwen3moe":
+        config.qk_norm = True
+    if config.architecture == "granitemoe":
+        config.embedding_multiplier = float(cfg.get("embedding_multiplier", 1.0))
+        config.attention_multiplier = float(cfg.get("attention_multiplier", config.head_dim**-0.5))
+        config.residual_multiplier = float(cfg.get("residual_multiplier", 1.0))
+        config.logits_scaling = float(cfg.get("logits_scaling", 1.0))
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def _model_names(tensors: Iterator[tuple[str, torch.Tensor]],
+                 num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors under the names and stacking the model takes: per-expert matrices stacked
+    [experts, ...] once a layer's last one arrives (Qwen3-MoE, OLMoE), Granite's block_sparse_moe renamed (its
+    input_linear holds each expert's gate, then its up)."""
+    pending: dict[tuple[str, str], list[torch.Tensor | None]] = {}
+    for name, tensor in tensors:
+        if (match := _EXPERT.fullmatch(name)) is not None:
+            prefix, expert, leaf = match.group(1), int(match.group(2)), match.group(3)
+            if expert >= num_experts:
+                raise ModelFormatError(f"{name}: expert {expert} of {num_experts}")
+            group = pending.setdefault((prefix, leaf), [None] * num_experts)
+            group[expert] = tensor
+            if all(part is not None for part in group):
+                yield f"{prefix}.{leaf}.weight", torch.stack(cast(list[torch.Tensor], pending.pop((prefix, leaf))))
+        elif ".block_sparse_moe." in name:
+            layer, part = name.split(".block_sparse_moe.")
+            if part == "input_linear.weight":
+                gate, up = tensor.chunk(2, dim=1)
+                yield f"{layer}.mlp.experts.gate_proj.weight", gate
+                yield f"{layer}.mlp.experts.up_proj.weight", up
+            elif part == "output_linear.weight":
+                yield f"{layer}.mlp.experts.down_proj.weight", tensor
+            elif part == "router.layer.weight":
+                yield f"{layer}.mlp.gate.weight", tensor
+            else:
+                yield name, tensor  # the model has no such parameter: load_weights names it and skips it
+        else:
+            yield name, tensor
+    for (prefix, leaf), group in pending.items():
+        missing = [i for i, part in enumerate(group) if part is None]
+        raise ModelFormatError(f"the checkpoint lacks {prefix}.{missing[0]}.{leaf}.weight")
+
+
+def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    return _model_names(_read(folder, config, dtype), config.num_experts)
+
+
+def _read(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(folder.glob("*.safetensors"))
+    gemma = config.architecture == "gemma3"
     if not files:
         raise ModelFormatError(f"no *.safetensors files in {folder}")
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
                 # A copy: get_tensor's maps the file, so a file rewritten in place would change a served model.
-                yield name, handle.get_tensor(name).to(dtype, copy=True)
+                tensor = handle.get_tensor(name)
+                if gemma and name.endswith(_GEMMA_NORMS):
+                    tensor = tensor.float() + 1
+                yield name, tensor.to(dtype, copy=True)

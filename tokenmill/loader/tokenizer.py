@@ -140,6 +140,8 @@ class Tokenizer:
         # End-of-generation ids: the declared eos plus every special end-of-turn token of the vocabulary.
         self.eos_token_ids = eos_token_ids | {i for text, i in self._special_ids.items() if text in END_OF_TURN_TEXTS}
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        first = tok.encode("", add_special_tokens=True).ids
+        self._bos_id = first[0] if first and first[0] in self.special_ids else None  # the BOS it adds, if it does
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any]) -> Tokenizer:
@@ -178,7 +180,18 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Encode raw text; special-token text in it becomes control tokens (the completions API's prompt)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._one_bos(ids) if add_special_tokens else ids
+
+    def _one_bos(self, ids: list[int]) -> list[int]:
+        """Exactly one BOS first, where the tokenizer adds one: a prompt or a chat template that writes its own
+        would make two, a template without it none (Gemma's answers degrade with either)."""
+        if self._bos_id is None:
+            return ids
+        start = 0
+        while start < len(ids) and ids[start] == self._bos_id:
+            start += 1
+        return [self._bos_id, *ids[start:]]
 
     def encode_chat(self, prompt: str, user_texts: list[str]) -> list[int]:
         """Encode a rendered chat prompt in which special-token text inside user_texts stays text.
@@ -200,7 +213,7 @@ class Tokenizer:
             ids += self._tok.encode(prompt[cursor:at], add_special_tokens=False).ids
             ids += self._plain.encode(text, add_special_tokens=False).ids
             cursor = at + len(text)
-        return ids + self._tok.encode(prompt[cursor:], add_special_tokens=False).ids
+        return self._one_bos(ids + self._tok.encode(prompt[cursor:], add_special_tokens=False).ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token adds to the text, exactly (a piece of a UTF-8 character stays that piece): what

@@ -1,4 +1,6 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+"""The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm); with a
+mixture of experts for an MLP, Qwen3-MoE, OLMoE (q/k norms over the whole projection) and GraniteMoE (its
+multipliers); Gemma 3 builds on it (gemma3.py).
 
 Works on a flat batch: tokens of every sequence in the step are concatenated, so projections and the MLP run as
 single matmuls and only attention looks at sequence boundaries.
@@ -18,6 +20,7 @@ from tokenmill import kernels
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata, PagedMetadata, attention, fused_rotary_attention
 from tokenmill.layers.linear import PackedLinear, linear_of, make_row_invariant, prepack_linears
+from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -36,28 +39,35 @@ class Attention(nn.Module):
         # q, k and v in one matmul; loaded from the three checkpoint tensors.
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm, self.qk_norm_per_head = config.qk_norm, config.qk_norm_per_head
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
-        self.scale = self.head_dim**-0.5
+            self.q_norm = RMSNorm(self.head_dim if self.qk_norm_per_head else self.q_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if self.qk_norm_per_head else self.kv_size, config.rms_norm_eps)
+        self.clip = config.clip_qkv
+        self.scale = config.attention_scale()
+        self.window = config.layer_window(layer)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if not self.qk_norm:
-            out = fused_rotary_attention(self.layer, qkv, rope, meta, self.num_heads, self.num_kv_heads, self.scale)
+        if not self.qk_norm and self.clip is None:
+            out = fused_rotary_attention(self.layer, qkv, rope, meta, self.num_heads, self.num_kv_heads, self.scale,
+                                         self.window)
             if out is not None:
                 return self.o_proj(out.view(tokens, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm and not self.qk_norm_per_head:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if self.clip is not None:  # after the norms, as OLMoE does
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = attention(self.layer, q, k, v, meta, self.scale)
+        out = attention(self.layer, q, k, v, meta, self.scale, self.window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -65,15 +75,17 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp), not three ops
+        if not self.gelu and gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp)
             return self.down_proj(torch.ops.tokenmill.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -82,7 +94,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoE = MLP(config)
+        if config.num_experts:
+            self.mlp = SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                                 config.moe_intermediate_size, config.norm_topk_prob)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,17 +108,24 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(x, pending)
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, rope, meta))
-        return x, self.mlp(h)
+        attended = self.self_attn(h, rope, meta)
+        if self.residual_multiplier != 1.0:
+            attended = attended * self.residual_multiplier
+        x, h = self.post_attention_layernorm.add_and_norm(x, attended)
+        out = self.mlp(h)
+        return x, out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
     def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """This layer's tensors as the fused decode kernel takes them (kernels/layer.cpp), and its matrices' weights
         per scale, then their zero points; None where it cannot run the layer: a projection not kept quantized, q/k
-        norms. Its rows are fp32: a bf16 or fp16 model's norms and bias are given as fp32 copies (a few KiB a layer)."""
+        norms, a sliding window, GeGLU, experts, clipping, Granite's multipliers. Its rows are fp32: a bf16 or fp16
+        model's norms and bias are given as fp32 copies (a few KiB a layer)."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, MLP) or attn.clip is not None or self.residual_multiplier != 1.0:
+            return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (self.input_layernorm.weight.float(), self.post_attention_layernorm.weight.float())
-        if attn.qk_norm or not all(
+        if attn.qk_norm or attn.window or mlp.gelu or not all(
                 isinstance(m, QuantizedLinear) and (m.bias is None or m is attn.qkv_proj) for m in linears):
             return None
         none = torch.empty(0)
@@ -118,17 +141,26 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
+        self.embed_scale = config.embedding_multiplier
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, config.rope_freq_factors)
         self.fused_decode: list[tuple[list[torch.Tensor], list[int]]] | None = None  # see fuse_decode_layers
         self.fused_decode_below: int | None = None  # decode steps of fewer rows run fused (None: all of them)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, times the config's multiplier (Gemma, Granite) rounded to the compute dtype
+        first, as transformers rounds Gemma's."""
         x = self.embed_tokens(input_ids)
+        return x if self.embed_scale == 1.0 else x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed(input_ids)
         rope = self.rotary(positions)
         pending = None
         if self.fused_decode is not None and _fused_decode_runs(meta, x, self.fused_decode_below):
@@ -176,10 +208,12 @@ _FUSED_INTO = {part: (fused, i) for fused, parts in _FUSED.items() for i, part i
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions)
+        self.model = self.model_class(config, max_positions)
         if not config.tie_word_embeddings:
             self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -189,8 +223,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "lm_head"):
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()  # tied to the embeddings
+            logits = self.lm_head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()  # tied to the embeddings
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     def prepack_weights(self) -> None:
         """Swap every Linear for a prepacked one (CPU); a tied output head gets a packed copy of the embeddings."""
@@ -204,11 +240,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = linear_of(self.model.embed_tokens.weight, None)
         make_row_invariant(self)
 
-    def _part_rows(self, fused: str) -> list[int]:
-        """The rows each checkpoint tensor takes in a fused parameter, in _FUSED's order."""
+    def _part_rows(self, target: str) -> list[int]:
+        """The rows (along dim 0) each checkpoint tensor takes in a fused parameter, in _FUSED's order."""
         c = self.config
-        if fused == "qkv_proj":
+        if target.endswith("qkv_proj.weight") or target.endswith("qkv_proj.bias"):
             return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        if ".experts." in target:  # every expert's gate, then every expert's up (layers/moe.py)
+            return [c.num_experts] * 2
         return [c.intermediate_size] * 2
 
     @torch.no_grad()
@@ -239,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
             if fused is None:
                 _put(state, quantized, target, tensor)
                 continue
-            rows = self._part_rows(fused)
+            rows = self._part_rows(target)
             expected = (rows[index], *wanted[target].shape[1:])
             if tuple(tensor.shape) != expected:
                 raise ModelFormatError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")

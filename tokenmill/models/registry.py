@@ -16,6 +16,7 @@ from tokenmill.layers.linear import can_prepack, cpu_has_amx, linear_of
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,17 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-# Every family so far is the Llama decoder; a new one adds its class here (the loaders read this list).
+# A new family adds its class here (the loaders read this list). The MoE families are the Llama decoder with a
+# sparse MLP (models/config.py says how each differs); Gemma 3 is it with changes of its own.
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "qwen3moe": LlamaForCausalLM,
+    "olmoe": LlamaForCausalLM,
+    "granitemoe": LlamaForCausalLM,
 }
 
 
