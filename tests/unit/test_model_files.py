@@ -39,7 +39,7 @@ from tokenmill.models.registry import build_model
 def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "x.gguf", architecture="mamba")
     with pytest.raises(ModelFormatError, match="^unsupported architecture 'mamba' in x.gguf; supported: llama, "
-                                               "qwen2, qwen3, gemma3$"):
+                                               "qwen2, qwen3, gemma3, qwen3moe, olmoe, granitemoe$"):
         load_model(str(path), device="cpu")
 
 
@@ -401,7 +401,8 @@ def test_a_loaded_model_does_not_change_with_its_file(hf_folders: dict[str, Path
 def test_an_unsupported_model_type_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ModelFormatError, match=f"^unsupported model_type 'mamba' in {re.escape(str(tmp_path))}; "
-                                               "supported: llama, mistral, qwen2, qwen3, gemma3$"):
+                                               "supported: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, "
+                                               "olmoe, granitemoe$"):
         load_model(str(tmp_path), device="cpu")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
     with pytest.raises(ModelFormatError, match="is a multimodal Gemma 3 checkpoint; tokenmill serves the text models"):

@@ -56,11 +56,11 @@ def model_config(folder: Path) -> ModelConfig:
     if model_type == "gemma3":
         raise ModelFormatError(f"{folder} is a multimodal Gemma 3 checkpoint; tokenmill serves the text models "
                                f"(model_type gemma3_text, e.g. gemma-3-270m and gemma-3-1b)")
+    if _ARCHITECTURE_OF.get(model_type, model_type) not in MODEL_CLASSES:
+        hf_names = {arch: hf for hf, arch in _ARCHITECTURE_OF.items()}
+        raise ModelFormatError(f"unsupported model_type {model_type!r} in {folder}; supported: "
+                               f"{', '.join(hf_names.get(arch, arch) for arch in MODEL_CLASSES)}")
     model_type = _ARCHITECTURE_OF.get(model_type, model_type)
-    if model_type not in MODEL_CLASSES:
-        raise ModelFormatError(
-            f"unsupported model_type {model_type!r} in {folder}; supported: {', '.join(MODEL_CLASSES)}"
-        )
     hidden = cfg["hidden_size"]
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // num_heads
