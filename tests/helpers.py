@@ -67,11 +67,13 @@ def _random_kquant(rows: int, cols: int, qtype: GGMLQuantizationType, rng: np.ra
 
 
 def _encode(data: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray | None:
-    """data in qtype's blocks, or None where it cannot be (not a matrix, rows not a whole number of blocks)."""
-    if qtype == GGMLQuantizationType.F32 or data.ndim != 2 or data.shape[1] % GGML_QUANT_SIZES[qtype][0]:
+    """data in qtype's blocks, or None where it cannot be (not a matrix or a stack of them (MoE experts), rows not
+    a whole number of blocks)."""
+    if qtype == GGMLQuantizationType.F32 or data.ndim not in (2, 3) or data.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
         return None
     if qtype in _KQUANT_SCALES:
-        return _random_kquant(*data.shape, qtype, rng)
+        rows = data.reshape(-1, data.shape[-1])
+        return _random_kquant(*rows.shape, qtype, rng).reshape(*data.shape[:-1], -1)
     return quantize(data, qtype)
 
 

@@ -19,7 +19,7 @@ from gguf import GGUFEndian, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelFormatError
-from tokenmill.layers.quantized import QuantizedWeight
+from tokenmill.layers.quantized import INTERLEAVE, QuantizedWeight
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.registry import MODEL_CLASSES
@@ -262,8 +262,11 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         if name is None:
             continue  # rope_freqs is read into the config; anything else is not part of the forward pass
         value: torch.Tensor | QuantizedWeight
-        if keep_quantized and tensor.tensor_type in QUANTIZED_TYPES and len(tensor.shape) == 2:
-            value = quantized_weight(tensor.data, tensor.tensor_type)
+        if keep_quantized and tensor.tensor_type in QUANTIZED_TYPES and (
+                len(tensor.shape) == 2 or (len(tensor.shape) == 3 and tensor.data.shape[1] % INTERLEAVE == 0)):
+            # A 3-D tensor (MoE experts, [experts, rows, bytes]) as one matrix of every expert's rows, each
+            # expert's rows whole interleaved groups (layers/moe.py slices them); other 3-D tensors are dequantized.
+            value = quantized_weight(tensor.data.reshape(-1, tensor.data.shape[-1]), tensor.tensor_type)
         else:
             array = dequantize(tensor.data, tensor.tensor_type)
             value = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # a copy: the map is read-only

@@ -20,7 +20,7 @@ from tokenmill import kernels
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata, PagedMetadata, attention, fused_rotary_attention
 from tokenmill.layers.linear import PackedLinear, linear_of, make_row_invariant, prepack_linears
-from tokenmill.layers.moe import SparseMoE
+from tokenmill.layers.moe import QuantizedStacked, SparseMoE, StackedWeight
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
                 _put(state, quantized, target, tensor)
                 continue
             rows = self._part_rows(target)
-            expected = (rows[index], *wanted[target].shape[1:])
+            expected = _as_matrix((rows[index], *wanted[target].shape[1:]), tensor)
             if tuple(tensor.shape) != expected:
                 raise ModelFormatError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
             group = parts.setdefault(target, [None] * len(rows))
@@ -302,15 +302,24 @@ class LlamaForCausalLM(nn.Module):
                            dtype: torch.dtype, expected: tuple[int, ...]) -> None:
         """Replace the Linear or Embedding whose weight is target by its quantized module (the bias, if any, moves
         along); a tied output head reads the same quantized embeddings."""
-        if tuple(weight.shape) != expected:
+        if tuple(weight.shape) != _as_matrix(expected, weight):
             raise ModelFormatError(f"{target}: checkpoint shape {tuple(weight.shape)}, model expects {expected}")
         path = target.removesuffix(".weight")
-        if isinstance(self.get_submodule(path), nn.Embedding):
+        if isinstance(self.get_submodule(path), StackedWeight):  # experts: [items, out, in] as items * out rows
+            self.set_submodule(path, QuantizedStacked(weight, expected[0]))
+        elif isinstance(self.get_submodule(path), nn.Embedding):
             self.set_submodule(path, QuantizedEmbedding(weight, dtype))
             if self.config.tie_word_embeddings:
                 self.lm_head = QuantizedLinear(weight, None)
         else:
             self.set_submodule(path, QuantizedLinear(weight, state.pop(f"{path}.bias", None)))
+
+
+def _as_matrix(shape: tuple[int, ...], value: torch.Tensor | QuantizedWeight) -> tuple[int, ...]:
+    """A stacked [items, out, in] shape as a QuantizedWeight holds it (items * out rows); others as they are."""
+    if isinstance(value, QuantizedWeight) and len(shape) == 3:
+        return shape[0] * shape[1], shape[2]
+    return shape
 
 
 def _put(state: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight], target: str,
