@@ -130,6 +130,9 @@ CRAFTED_GGUFS = {
     "truncated in the tensor data": (lambda d, p: d.__delitem__(slice(len(d) - 64, None)), PAST_END),
     "absurd string length": (lambda d, p: _put_u64(d, _field_value_offset(p, "general.architecture"), 2**62),
                              r"a read of 4611686018427387904 x uint8 at byte \d+ runs past the end"),
+    "absurd string length in an array": (
+        lambda d, p: _put_u64(d, _field_value_offset(p, "tokenizer.ggml.tokens") + 12, 2**62),
+        r"a string of 4611686018427387904 bytes at byte \d+ runs past the end of the file"),
     "absurd array length": (lambda d, p: _put_u64(d, _field_value_offset(p, "tokenizer.ggml.tokens") + 4, 2**60),
                             r"array item count 1152921504606846976 at byte \d+ cannot fit"),
     "absurd metadata count": (lambda d, p: _put_u64(d, 16, 2**60),
@@ -145,6 +148,16 @@ CRAFTED_GGUFS = {
         slice(_field_value_offset(p, "llama.block_count"), _field_value_offset(p, "llama.block_count") + 4),
         struct.pack("<I", 100_000)), r"the metadata describes a model of \d+ weights, the file holds 139776"),
 }
+
+
+def test_metadata_reads_as_the_stock_reader_reads_it(tmp_path: Path) -> None:
+    """Our reader's fast paths for arrays (one view for scalars, a slice per string) give gguf's own values: the
+    vocabulary, the token types and nested arrays."""
+    path = write_tiny_gguf(tmp_path / "t.gguf", metadata={"nested": [[1, 2], [3]]})
+    stock = {name: field.contents() for name, field in GGUFReader(path).fields.items() if not name.startswith("GGUF.")}
+    ours = GGUFFile(path).metadata
+    assert ours == stock and ours["llama.nested"] == [1, 2, 3]  # gguf flattens nested arrays
+    assert len(ours["tokenizer.ggml.tokens"]) == 259 and ours["tokenizer.ggml.tokens"][256] == "<|endoftext|>"
 
 
 @pytest.mark.parametrize("case", CRAFTED_GGUFS.values(), ids=CRAFTED_GGUFS.keys())
