@@ -56,7 +56,7 @@ def test_no_mask_means_every_key(dtype: torch.dtype) -> None:
 
 @pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dim", [16, 64, 128, 256])  # 64 and 128 have a vector path of their own (AVX-512)
+@pytest.mark.parametrize("dim", [16, 64, 128, 256])  # 64, 128 and 256 have a vector path of their own (AVX-512)
 @pytest.mark.parametrize("window", [0, 6])  # 6: a sliding layer's, starting inside a block
 def test_the_paged_kernel_reads_each_sequence_through_its_block_table(dtype: torch.dtype, dim: int,
                                                                       window: int) -> None:

@@ -134,7 +134,7 @@ void attend(const float* query, int64_t group, const KV* k_cache, const KV* v_ca
 }
 #endif
 
-// attend where it applies (AVX-512; head dims 64 and 128; fp32, bf16 or fp16 pools), else attend_generic; over
+// attend where it applies (AVX-512; head dims 64, 128 and 256; fp32, bf16 or fp16 pools), else attend_generic; over
 // positions first..length-1 (first > 0: a sliding window).
 template <typename KV>
 void attend_task(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t first, int64_t length,
@@ -142,9 +142,10 @@ void attend_task(const float* query, int64_t group, const KV* k_cache, const KV*
                  float* row, float* total, float* out) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Half>) {
-    if (dim == 64 || dim == 128) {
-      (dim == 64 ? attend<4, KV> : attend<8, KV>)(query, group, k_cache, v_cache, first, length, table, block_size,
-                                                  kv_heads * dim, h, scores, out);
+    // 256 (Gemma 3): the query's 16 vectors live in the scores' pass and the output's 16 in the values' pass.
+    const auto kernel = dim == 64 ? attend<4, KV> : dim == 128 ? attend<8, KV> : dim == 256 ? attend<16, KV> : nullptr;
+    if (kernel != nullptr) {
+      kernel(query, group, k_cache, v_cache, first, length, table, block_size, kv_heads * dim, h, scores, out);
       return;
     }
   }
