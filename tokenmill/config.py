@@ -54,6 +54,14 @@ class EngineConfig:
                                              "32 rows where dense copies exist) run each decoder layer as one C++ op "
                                              "on fp32 rows, whatever the dtype (off: one op per norm, projection, "
                                              "RoPE, attention...)")
+    speculative: str | None = option(None, "speculative decoding: ngram (prompt lookup: the tokens that followed "
+                                           "the latest earlier occurrence of the sequence's last n-gram are proposed "
+                                           "and checked in the next step, lossless); default off")
+    num_speculative_tokens: int = option(4, "tokens proposed per sequence and step")
+    prompt_lookup_min: int = option(2, "ngram: the shortest suffix n-gram looked up")
+    prompt_lookup_max: int = option(5, "ngram: the longest suffix n-gram looked up (the longest found wins)")
+    speculative_max_seqs: int = option(4, "speculation pauses while more sequences than this decode (a batch "
+                                          "already fills the step: proposals would only add work)")
     deterministic: bool = option(False, "same request, same tokens: each token's logits depend only on its own "
                                         "request, never on the batch it shares, how its prompt was chunked or what "
                                         "the prefix cache held (batch-invariant kernels; CPU with the C++ kernels, "

@@ -236,3 +236,17 @@ def test_logprobs_for_every_row_with_k_of_zero() -> None:
         assert lps[row].token_id == tokens[row]
         assert abs(lps[row].logprob - expected[row, tokens[row]].item()) < 1e-5
     assert lps[0].top == [] and [t for t, _ in lps[1].top] == [expected[1].argmax().item()]
+
+
+def test_verify_keeps_proposals_while_each_sample_equals_them() -> None:
+    """A speculative step: position j is sampled as plain decoding would sample it after the tokens accepted before
+    it (here a presence penalty on them flips the last position's winner), and the run stops at the first sample
+    that differs from the proposal, which is kept in its place."""
+    x = torch.zeros(4 + 3, 8)
+    x[0, 5], x[1, 6], x[2, 5], x[3, 7] = 3.0, 3.0, 3.0, 3.0  # a: proposals 5, 6, then its own pick
+    x[2, 1] = 2.5  # ... where 5 wins by 0.5 unless its earlier acceptance counts: presence penalty 1
+    x[4, 2], x[5, 4], x[6, 3] = 3.0, 3.0, 3.0  # b: proposals 2, 9: the second misses
+    a, b = seq(0, output=[0], presence_penalty=1.0, temperature=0.0), seq(1, output=[0], temperature=0.0)
+    tokens, logprobs = new_sampler().verify(x, [a, b], [[5, 6, 5], [2, 9]])
+    assert tokens == [[5, 6, 1], [2, 4]] and [len(lp) for lp in logprobs] == [3, 2]
+    assert a.output_ids == [0] and b.output_ids == [0]  # the scheduler appends them, not the sampler

@@ -484,3 +484,25 @@ def test_an_embedding_prefills_in_chunks_never_samples_and_finishes_when_its_pro
     assert plans == expected and seq.num_cached_tokens == cached
     assert seq.status == Status.FINISHED and seq.finish_reason == "stop" and seq.output_ids == []
     assert kv.num_sequences == 0 and kv.usage() == 0 and kv.pool.num_used == kv.prefix_cache.num_blocks == 3
+
+
+def test_a_draft_runs_after_its_decode_token_within_the_budget_and_never_preempts() -> None:
+    """A decoding sequence's proposals join its step (the budget cuts them short); only those accepted count as
+    computed; where they do not fit in memory the sequence decodes plainly rather than preempt anyone."""
+    sched, kv = scheduler(num_blocks=3, max_num_batched_tokens=4)
+    a = make(0, 3, max_tokens=20)
+    sched.add(a)
+    step(sched)  # the prompt: 3 tokens, one block; a samples its first token
+    a.draft = [7, 8, 9, 10]
+    plan = sched.schedule()
+    assert [(p.num_tokens, p.draft) for p in plan] == [(4, [7, 8, 9])]  # 1 + 3 proposals: the budget of 4
+    sched.update(plan, [[7, 8, 6]])  # two accepted, then the sample that differed
+    assert a.output_ids == [5, 7, 8, 6] and a.num_computed_tokens == 3 + 1 + 2
+    a.draft = []
+    sched.add(make(1, 4, max_tokens=20))
+    assert step(sched) == [(0, 1), (1, 3)]  # a in 2 blocks, b's first 3 tokens in the last one
+    assert kv.pool.num_free == 0
+    a.draft = [1, 2, 3]  # a needs a third block for them, which only preempting b would free
+    plan = sched.schedule()
+    assert [(p.seq.seq_id, p.num_tokens, p.draft) for p in plan] == [(0, 1, []), (1, 1, [])]
+    assert sched.stats.preemptions == 0

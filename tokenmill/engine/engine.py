@@ -26,6 +26,7 @@ from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogp
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.spec import NgramProposer
 from tokenmill.errors import ConfigError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.models.config import attention_crossover
@@ -91,6 +92,20 @@ class Engine:
         # Read by API threads (compile) and by the sampler (masks); built here, before any request arrives.
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), mc.vocab_size, self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, c.seed, self.grammars)
+        self.proposer = self._proposer()
+
+    def _proposer(self) -> NgramProposer | None:
+        c = self.config
+        if c.speculative is None:
+            return None
+        if c.speculative != "ngram":
+            raise ConfigError(f"--speculative {c.speculative}: tokenmill has ngram (suffix, draft: not yet)")
+        if c.num_speculative_tokens < 1:
+            raise ConfigError(f"--num-speculative-tokens {c.num_speculative_tokens}: at least 1")
+        try:
+            return NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
+        except ValueError as exc:
+            raise ConfigError(f"--prompt-lookup-min/max: {exc}") from exc
 
     def _context_that_fits(self, context: int, kv_tokens: int) -> int:
         """The context served: the model's, or less when the KV memory cannot hold one whole context (otherwise a
@@ -216,14 +231,22 @@ class Engine:
         self.scheduler.add(seq)
 
     def _step(self) -> None:
+        self._propose()
         plan = self.scheduler.schedule()
         self.metrics.count(self.scheduler)  # before any output: whoever has the step's tokens sees them counted
         if not plan:
             return
-        sampled = [item.seq for item in plan if item.samples]
+        sampling = [item for item in plan if item.samples]
+        sampled = [item.seq for item in sampling]
+        drafts = [item.draft for item in sampling]
         try:
             logits = self.runner.run(plan)
-            tokens, logprobs = self.sampler(logits, sampled)
+            if any(drafts):
+                tokens, logprobs = self.sampler.verify(logits, sampled, drafts)
+                self.metrics.count_drafts(drafts, tokens)
+            else:
+                one, their_logprobs = self.sampler(logits, sampled)
+                tokens, logprobs = [[t] for t in one], [[lp] for lp in their_logprobs]
         except Exception:
             # A failing step fails the sequence that raises, not the server nor its batch neighbours: a batch
             # that fails is rerun one sequence at a time to find it.
@@ -233,13 +256,31 @@ class Engine:
             else:
                 self.scheduler.isolate([item.seq for item in plan])
             return
-        self.scheduler.update(plan, [[token] for token in tokens])
-        self._emit(sampled, logprobs)
+        before = [len(seq.output_ids) for seq in sampled]
+        self.scheduler.update(plan, tokens)
+        # The logprobs of the tokens appended: a stop inside an accepted run drops the rest.
+        self._emit(sampled, [lps[:len(seq.output_ids) - n]
+                             for seq, lps, n in zip(sampled, logprobs, before, strict=True)])
         for item in plan:
             if item.pools:  # an embedding, finished by update: its one output carries the pooled vector
                 self._send(item.seq)
 
-    def _emit(self, seqs: list[Sequence], logprobs: list[TokenLogprob | None]) -> None:
+    def _propose(self) -> None:
+        """Speculative decoding: a proposal for each decoding sequence (none with a grammar, whose masks follow
+        accepted tokens only), at most what its max_tokens and the context leave room for; none at all while more
+        sequences than speculative_max_seqs decode."""
+        if self.proposer is None:
+            return
+        c, running = self.config, self.scheduler.running
+        decoding = [s for s in running if s.decoding and s.grammar is None and s.pooling is None]
+        going = len([s for s in running if s.decoding]) <= c.speculative_max_seqs
+        for seq in running + list(self.scheduler.waiting):
+            seq.draft = []
+        for seq in decoding if going else []:
+            room = min(seq.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens)
+            seq.draft = self.proposer.propose(seq.tokens(0, seq.num_tokens), min(c.num_speculative_tokens, room))
+
+    def _emit(self, seqs: list[Sequence], logprobs: list[list[TokenLogprob | None]]) -> None:
         """Turn the step's new tokens into outputs: text, stop strings (which finish a sequence), timings."""
         now = time.perf_counter()
         for seq, logprob in zip(seqs, logprobs, strict=True):
@@ -251,8 +292,7 @@ class Engine:
             seq.last_token_time = now
             self.metrics.generation_tokens.inc(len(new))
             ended = self._ended_by_end_token(seq)
-            if logprob is not None and not ended:
-                seq.pending_logprobs.append(logprob)
+            seq.pending_logprobs += [lp for lp in logprob[:len(logprob) - ended] if lp is not None]
             for token in new[:-1] if ended else new:
                 seq.detokenizer.add_token(token)
             if seq.detokenizer.stopped:

@@ -34,6 +34,14 @@ class EngineMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between successive tokens.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.spec_drafts = Counter("tokenmill:spec_decode_num_drafts", "Speculative proposals checked (one a "
+                                   "sequence and step).", registry=r)
+        self.spec_draft_tokens = Counter("tokenmill:spec_decode_num_draft_tokens", "Tokens proposed.", registry=r)
+        self.spec_accepted_tokens = Counter("tokenmill:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens accepted, by their position in the proposal.",
+                                             ["position"], registry=r)
 
     def set_gauges(self, scheduler: Scheduler, kv: _KVUsage) -> None:
         """Once per loop turn: what runs, waits and holds KV memory now."""
@@ -47,6 +55,18 @@ class EngineMetrics:
         self.preemptions.inc(stats.preemptions)
         self.prefix_queries.inc(stats.prefix_queried_tokens)
         self.prefix_hits.inc(stats.prefix_hit_tokens)
+
+    def count_drafts(self, drafts: list[list[int]], tokens: list[list[int]]) -> None:
+        """A speculative step: each sequence's proposal and the tokens it kept (its accepted proposals, then one)."""
+        for draft, kept in zip(drafts, tokens, strict=True):
+            if not draft:
+                continue
+            accepted = len(kept) - 1
+            self.spec_drafts.inc()
+            self.spec_draft_tokens.inc(len(draft))
+            self.spec_accepted_tokens.inc(accepted)
+            for position in range(accepted):
+                self.spec_accepted_per_pos.labels(position=str(position)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

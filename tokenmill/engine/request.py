@@ -62,6 +62,8 @@ class Sequence:
     finish_reason: str | None = None
     num_sent_tokens: int = 0  # of output_ids, those already handed to the sink
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens not yet sent
+    # Speculative decoding: tokens proposed to follow this sequence, checked by the next step (engine/spec.py).
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.max_tokens is None:

@@ -18,7 +18,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: list[ScheduledSequence]) -> torch.Tensor:
-        """Run one step; returns logits [n, vocab] for the plan's n sampling items, in plan order."""
+        """Run one step; returns logits for the plan's sampling items, in plan order: one row each, or 1 + k rows
+        for an item with k proposed tokens (the rows after its decode token and after each proposal)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slices: list[SequenceSlice] = []
@@ -27,11 +28,11 @@ class ModelRunner:
         for item in plan:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
-            input_ids += seq.tokens(start, end)
+            input_ids += seq.tokens(start, end - len(item.draft)) + item.draft
             positions += range(start, end)
             slices.append(SequenceSlice(seq.seq_id, start, item.num_tokens))
             if item.samples:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows += range(len(input_ids) - 1 - len(item.draft), len(input_ids))
             if seq.pooling is not None and (item.pools or seq.pooling == "mean"):  # last: the final chunk only
                 pooled.append((item, len(input_ids) - item.num_tokens, len(input_ids)))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)

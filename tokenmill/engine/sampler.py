@@ -37,13 +37,17 @@ class Sampler:
         self.grammars = grammars
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 accepted: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [rows, vocab] fp32, one row per sequence, consumed (modified in place) -> sampled ids and
-        (where asked) their logprobs."""
+        (where asked) their logprobs. accepted: tokens each sequence has gained earlier in this step (a speculative
+        step's accepted proposals), which count as its output for penalties and min_tokens."""
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw = logits.clone() if wants_logprobs else logits  # sampling works in place
+        outputs = [s.output_ids + extra for s, extra in zip(seqs, accepted, strict=True)] if accepted else [
+            s.output_ids for s in seqs]
         self._apply_grammars(logits, seqs)
-        logits = self._apply_penalties_and_bias(logits, seqs)
+        logits = self._apply_penalties_and_bias(logits, seqs, outputs)
         tokens = self._sample(logits, seqs)
         return tokens.tolist(), self._logprobs(raw, tokens, seqs) if wants_logprobs else [None] * len(seqs)
 
@@ -61,7 +65,35 @@ class Sampler:
             for k, i in enumerate(rows):
                 logits[i].masked_fill_(banned[k], _NEG_INF)
 
-    def _apply_penalties_and_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence],
+               drafts: list[list[int]]) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
+        """A speculative step's sampling: seqs[i] has 1 + len(drafts[i]) rows of logits, one after each of its input
+        tokens. Position j of every sequence still going is sampled as a plain step would sample it (its output so
+        far, this step's accepted tokens included), and the sequence goes on to j + 1 while the sample equals its
+        j-th proposal: the tokens are exactly those of plain decoding, one random draw each (lossless for any
+        proposer that does not look at the logits). Returns each sequence's tokens (its accepted proposals, then
+        the sample that differed or followed them all) and their logprobs."""
+        first = [0]
+        for draft in drafts:
+            first.append(first[-1] + 1 + len(draft))
+        tokens: list[list[int]] = [[] for _ in seqs]
+        logprobs: list[list[TokenLogprob | None]] = [[] for _ in seqs]
+        going = list(range(len(seqs)))
+        for j in range(1 + max(len(d) for d in drafts)):
+            rows = torch.tensor([first[i] + j for i in going], device=logits.device)
+            sampled, lps = self(logits[rows], [seqs[i] for i in going], [tokens[i] for i in going])
+            for i, token, lp in zip(going, sampled, lps, strict=True):
+                tokens[i].append(token)
+                logprobs[i].append(lp)
+            going = [i for i in going if j < len(drafts[i]) and tokens[i][-1] == drafts[i][j]]
+            if not going:
+                break
+        return tokens, logprobs
+
+    def _apply_penalties_and_bias(self, logits: torch.Tensor, seqs: list[Sequence],
+                                  outputs: list[list[int]]) -> torch.Tensor:
+        """outputs: each sequence's generated tokens so far."""
         rows, vocab = logits.shape
         dev = logits.device
         for i, seq in enumerate(seqs):
@@ -70,7 +102,7 @@ class Sampler:
                 ids = torch.tensor(list(p.logit_bias), device=dev)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=dev)
             # min_tokens gives way to a grammar that has ended: its text is complete and only an end token fits.
-            if len(seq.output_ids) < p.min_tokens and not (seq.grammar is not None and seq.grammar.ended):
+            if len(outputs[i]) < p.min_tokens and not (seq.grammar is not None and seq.grammar.ended):
                 banned = [*self.eos_token_ids, *p.stop_token_ids]
                 if banned:
                     logits[i, torch.tensor(banned, device=dev)] = _NEG_INF
@@ -79,11 +111,12 @@ class Sampler:
         pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)
         if bool((freq != 0).any() or (pres != 0).any()):
             # OpenAI's penalties count generated tokens only.
-            counts = _occurrences(_padded([s.output_ids for s in seqs], dev), vocab)
+            counts = _occurrences(_padded(outputs, dev), vocab)
             logits -= freq[:, None] * counts + pres[:, None] * (counts > 0)
         if bool((rep != 1).any()):
             # The multiplicative penalty (CTRL, as in transformers and vLLM) covers prompt and output.
-            seen = _occurrences(_padded([s.prompt_ids + s.output_ids for s in seqs], dev), vocab) > 0
+            seen = _occurrences(_padded([s.prompt_ids + out for s, out in zip(seqs, outputs, strict=True)], dev),
+                                vocab) > 0
             factor = torch.where(logits > 0, 1 / rep[:, None], rep[:, None])
             logits = torch.where(seen, logits * factor, logits)
         return logits

@@ -19,14 +19,17 @@ from tokenmill.engine.request import Sequence, Status
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_tokens: int  # new tokens to run this step (a prompt chunk, or 1 when decoding)
+    num_tokens: int  # new tokens to run this step (a prompt chunk, or 1 when decoding), the draft's included
+    # Speculative decoding: proposed tokens run after the decode token, each position then sampled and kept while
+    # the sample equals the proposal (engine/spec.py).
+    draft: list[int] = field(default_factory=list)
     # A new token is due after this step: a decode, or the last chunk of a prompt.
     samples: bool = field(init=False)
     # An embedding's prompt ends with this step: its pooled vector is done (it never samples).
     pools: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        last = self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        last = self.seq.num_computed_tokens + self.num_tokens - len(self.draft) == self.seq.num_tokens
         self.samples = last and self.seq.pooling is None
         self.pools = last and self.seq.pooling is not None
 
@@ -123,6 +126,8 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
+            if n > 1 and seq.decoding and not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, seq.final_len):
+                n = 1  # proposals never preempt anyone: without room for them, a plain decode
             preempted |= self._reserve_preempting(seq, n)
             if seq.status == Status.RUNNING:
                 self._take(plan, budget, seq, n)
@@ -172,12 +177,13 @@ class Scheduler:
         if budget.long is not None and not seq.decoding and self._is_long(seq):
             budget.long -= n * self._token_weight(seq)
         budget.tokens -= n
-        plan.append(ScheduledSequence(seq, n))
+        plan.append(ScheduledSequence(seq, n, seq.draft[:n - 1] if seq.decoding else []))
 
     def _chunk(self, seq: Sequence, budget: _Budget) -> int:
-        """Tokens of seq to run now: 1 when decoding, else its next prompt chunk within the budget."""
+        """Tokens of seq to run now: 1 when decoding (with its draft, as far as the budget goes), else its next prompt
+        chunk within the budget."""
         if seq.decoding:
-            return 1
+            return max(1, min(1 + len(seq.draft), budget.tokens))
         todo = seq.num_tokens - seq.num_computed_tokens
         if not self.config.chunked_prefill:
             # Whole prompts only; one larger than the budget runs when it would be first in the step.
@@ -219,14 +225,15 @@ class Scheduler:
         """Record a step that ran: progress for every planned sequence (an embedding whose prompt is done
         finishes), then the sampled tokens (new_tokens[i] for the i-th sampling item of the plan), appended up to
         the first that finishes its sequence, whose KV is then freed. Returns the sequences that finished. Several
-        tokens per sequence is what speculative decoding will hand in."""
+        tokens: a speculative step's accepted proposals and the sample after them; the rejected proposals' KV is
+        past num_computed_tokens, so it is overwritten and never cached."""
         if self.isolated and plan and plan[0].seq is self.isolated[0]:
             self.isolated.popleft()
         finished = []
         for item in plan:
             seq = item.seq
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_tokens
+            seq.num_computed_tokens += item.num_tokens - len(item.draft)  # a draft's KV counts once accepted
             if before < len(seq.prompt_ids) <= seq.num_computed_tokens:
                 self.kv.cache(seq.seq_id, seq.prompt_ids)  # a prompt is shareable as soon as its prefill ends
             if item.pools:
@@ -234,7 +241,9 @@ class Scheduler:
                 finished.append(seq)
         for item, tokens in zip([item for item in plan if item.samples], new_tokens, strict=True):
             seq = item.seq
-            for token in tokens:
+            for i, token in enumerate(tokens):
+                if i:  # the token before it was an accepted proposal: its KV, computed this step, stands
+                    seq.num_computed_tokens += 1
                 seq.output_ids.append(token)
                 if seq.grammar is not None:
                     seq.grammar.accept(token)  # the sampler's mask allowed it

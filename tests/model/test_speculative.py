@@ -1,0 +1,163 @@
+"""Speculative decoding (n-gram prompt lookup) on the real model, fp32: the tokens are those of plain decoding,
+greedy and seeded sampling alike, alone and in a batch, with stops, limits, logprobs, aborts and preemption."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from helpers import assert_no_live_blocks, counted, start_engine, submit
+
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.request import SequenceOutput
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.spec import NgramProposer
+from tokenmill.loader import LoadedModel
+from tokenmill.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+        "    return a * b\n")
+TASKS = ["Rewrite this code, renaming {} to plus:", "Repeat this code exactly, then say {}:",
+         "Add a docstring to each function below, and call the module {}:", "Copy the code and rename b to {}:"]
+NAMES = ["add", "done", "calc", "y"]
+
+
+def chat(loaded: LoadedModel, text: str) -> list[int]:
+    return loaded.tokenizer.encode(f"<|im_start|>user\n{text}\n{CODE}<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm: LoadedModel) -> list[list[int]]:
+    """16 requests whose answers copy from their prompts (where proposals get accepted)."""
+    return [chat(smollm, task.format(name)) for task in TASKS for name in NAMES]
+
+
+def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    """Each sequence's (token ids, text, finish reason, logprob entries' token ids, their logprobs). A proposal's
+    logits come from a multi-token pass, not the decode kernel: fp32 values a few ulps apart (compare()). """
+    async def one(ids: list[int], p: SamplingParams) -> tuple:
+        tokens, text, logprobs, reason = [], "", [], None
+        async for out in submit(engine, ids, p):
+            tokens += out.token_ids
+            text += out.text
+            logprobs += [(lp.token_id, lp.logprob) for lp in out.logprobs]
+            reason = out.finish_reason
+        return tokens, text, reason, [t for t, _ in logprobs], [v for _, v in logprobs]
+
+    async def every() -> list[tuple]:
+        return list(await asyncio.gather(*(one(ids, p) for ids, p in zip(prompts, params, strict=True))))
+
+    return asyncio.run(every())
+
+
+def both(loaded: LoadedModel, prompts: list[list[int]], params: list[SamplingParams], one_at_a_time: bool,
+         **config) -> tuple[list[tuple], list[tuple], Engine]:
+    """The outputs without and with speculation (and the speculating engine, stopped, for its counters)."""
+    results = []
+    for spec in (None, "ngram"):
+        engine = start_engine(loaded, speculative=spec, speculative_max_seqs=8, prefix_caching=False, **config)
+        try:
+            if one_at_a_time:
+                results.append([run(engine, [p], [sp])[0] for p, sp in zip(prompts, params, strict=True)])
+            else:
+                results.append(run(engine, prompts, params))
+            assert_no_live_blocks(engine)
+        finally:
+            engine.stop()
+    return results[0], results[1], engine
+
+
+def same(plain: list[tuple], spec: list[tuple]) -> bool:
+    """Equal outputs, logprobs within 1e-4."""
+    return [r[:4] for r in plain] == [r[:4] for r in spec] and all(
+        abs(a - b) < 1e-4 for p, s in zip(plain, spec, strict=True) for a, b in zip(p[4], s[4], strict=True))
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=kwargs.pop("max_tokens", 24), temperature=0.0, **kwargs)
+
+
+def test_greedy_tokens_are_those_of_plain_decoding_alone_and_in_a_batch(smollm, prompts, monkeypatch) -> None:
+    """Also: each token runs through the model once (an accepted proposal's KV is kept, not recomputed)."""
+    computed = []
+    run_step = ModelRunner.run
+
+    def counting(self, plan):
+        computed.append(sum(item.num_tokens for item in plan))
+        return run_step(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "run", counting)
+    plain, spec, engine = both(smollm, prompts, [greedy(ignore_eos=True)] * 16, one_at_a_time=True)
+    assert same(plain, spec)
+    accepted, proposed = counted(engine.metrics.spec_accepted_tokens), counted(engine.metrics.spec_draft_tokens)
+    assert accepted > 50 and proposed > accepted  # it speculated, and missed too
+    # No prefix cache in play: each engine runs every prompt token and every output token but the last once, and
+    # the speculating one its rejected proposals besides.
+    once = sum(len(p) + len(r[0]) - 1 for p, r in zip(prompts, spec, strict=True))
+    assert sum(computed) == 2 * once + proposed - accepted
+    plain, spec, _ = both(smollm, prompts[:8], [greedy()] * 8, one_at_a_time=False)
+    assert same(plain, spec)
+
+
+def test_seeded_sampling_draws_the_same_tokens(smollm, prompts) -> None:
+    """Each position is sampled as plain decoding samples it, one draw from the request's stream per token, with
+    penalties counting the tokens accepted earlier in the step: the same seed gives the same tokens."""
+    params = [SamplingParams(max_tokens=32, temperature=0.5, top_p=0.95, seed=i, logprobs=2,
+                             frequency_penalty=0.2 * (i % 2), repetition_penalty=1.05 if i % 2 else 1.0)
+              for i in range(4)]
+    plain, spec, engine = both(smollm, prompts[:4], params, one_at_a_time=True)
+    assert same(plain, spec)
+    assert counted(engine.metrics.spec_accepted_tokens) > 10
+
+
+def test_stops_and_limits_inside_an_accepted_run(smollm, prompts) -> None:
+    """A stop string, a stop token and max_tokens that fall inside a run of accepted proposals end the sequence
+    there, as they would have without speculation (text, finish reason and logprobs alike); penalties count the
+    tokens accepted earlier in the step."""
+    stop_token = smollm.tokenizer.encode(" return", add_special_tokens=False)[0]
+    params = [greedy(stop=["sub"], max_tokens=40), greedy(stop_token_ids=[stop_token], logprobs=1),
+              greedy(max_tokens=13), greedy(max_tokens=3, logprobs=0), greedy(stop=["b\n"], max_tokens=40),
+              greedy(presence_penalty=1.5, frequency_penalty=0.5), greedy(repetition_penalty=1.5)]
+    plain, spec, engine = both(smollm, [prompts[5]] * len(params), params, one_at_a_time=True)
+    assert same(plain, spec) and counted(engine.metrics.spec_accepted_tokens) > 10
+    assert [r[2] for r in spec][:5] == ["stop", "stop", "length", "length", "stop"]
+
+
+def test_aborts_and_preemption_leave_no_block_behind(smollm, prompts) -> None:
+    """200 speculative streams aborted at random points, then a pool so small that sequences with proposals are
+    preempted and recomputed: every block comes back, and the preempted answers are the plain ones."""
+    engine = start_engine(smollm, speculative="ngram", speculative_max_seqs=8)
+    try:
+        done = threading.Semaphore(0)
+
+        def sink(out: SequenceOutput) -> None:
+            if out.finish_reason is not None:
+                done.release()
+
+        for i in range(200):
+            seq_id = engine.add(prompts[i % 16], greedy(max_tokens=40), sink)
+            if i % 3:
+                threading.Timer(0.001 * (i % 40), engine.abort, (seq_id,)).start()
+            else:
+                engine.abort(seq_id)
+        for _ in range(200):
+            assert done.acquire(timeout=120)
+        assert_no_live_blocks(engine)
+    finally:
+        engine.stop()
+    params = [greedy(max_tokens=40)] * 4
+    plain, spec, engine = both(smollm, prompts[:4], params, one_at_a_time=False,
+                               kv_cache_memory=str(14 * 16 * 46080))  # 14 blocks: 4 answers of ~8 take turns
+    assert same(plain, spec)
+    assert counted(engine.metrics.preemptions) > 0 and counted(engine.metrics.spec_accepted_tokens) > 0
+
+
+def test_ngram_lookup_takes_the_longest_latest_match() -> None:
+    proposer = NgramProposer(2, 3)
+    assert proposer.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 2, 3], 2) == [7, 7]  # "2 3": the latest occurrence
+    assert proposer.propose([1, 2, 3, 5, 2, 3, 6, 1, 2, 3], 3) == [5, 2, 3]  # "1 2 3" beats the later "2 3"
+    assert proposer.propose([1, 2, 3, 4], 2) == [] and proposer.propose([5, 5], 4) == []
+    assert proposer.propose([4, 4, 4], 4) == [4]  # the suffix itself is not a match; what follows is cut at the end
