@@ -53,6 +53,9 @@ def test_workloads_are_seeded_and_shaped() -> None:
     assert arrivals[0] == 0 and arrivals == sorted(arrivals)
     assert 0.2 < arrivals[-1] / 399 < 0.3  # mean gap 1 / rate
     assert {c.arrival for c in build(WorkloadParams("burst"))} == {0.0}
+    rewrite = build(WorkloadParams("rewrite", num_requests=3, prompt_len=200))
+    assert len({c.turns[0] for c in rewrite}) == 3
+    assert all(c.turns[0].count("def ") == 15 and "renamed to" in c.turns[0] for c in rewrite)  # 14 tokens each
 
 
 def test_burst_figures_json_plot_and_compare(server: ServerThread, tmp_path: Path,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import option  # one --flag per field, as for the server's config
 
-WORKLOADS = ("baseline", "burst", "staggered", "long-prompt", "shared-prefix", "multi-turn")
+WORKLOADS = ("baseline", "burst", "staggered", "long-prompt", "shared-prefix", "multi-turn", "rewrite")
 WORDS_PER_TOKEN = 0.92
 
 _WORDS = """
@@ -87,6 +87,19 @@ def synthetic_text(rng: random.Random, tokens: int) -> str:
     return " ".join(sentences)
 
 
+def rewrite_prompt(rng: random.Random, tokens: int) -> str:
+    """Code of about `tokens` tokens (one-line functions named from the word list) and a request to rewrite it
+    with one name changed: an answer that copies its prompt, as edits of code and documents do."""
+    functions, names = [], []
+    while len(functions) * 14 < tokens:
+        name, a, b = rng.sample(_WORDS, 3)
+        names.append(name)
+        functions.append(f"def {name}_{len(functions)}({a}, {b}):\n    return {a} * {len(functions) + 2} + {b}\n")
+    old, new = names[0], rng.choice(_WORDS)
+    return (f"Rewrite this code with the function {old}_0 renamed to {new}_0. Answer with the whole code only.\n\n"
+            + "\n".join(functions))
+
+
 def _arrivals(params: WorkloadParams, n: int) -> list[float]:
     """Poisson arrivals at params.rate (exponential gaps), seeded apart from the text so both stay reproducible."""
     if params.rate is None:
@@ -117,5 +130,6 @@ def build(params: WorkloadParams) -> list[Conversation]:
     long = [params.name == "long-prompt" and length == params.long_prompt_len for length in lengths]
     arrivals = [max(at, params.long_prompt_delay) if is_long else at
                 for at, is_long in zip(_arrivals(params, n), long, strict=True)]
-    return [Conversation(i, [synthetic_text(rng, lengths[i]) for _ in range(turns)], system, arrival, long[i])
+    text = rewrite_prompt if params.name == "rewrite" else synthetic_text
+    return [Conversation(i, [text(rng, lengths[i]) for _ in range(turns)], system, arrival, long[i])
             for i, arrival in enumerate(arrivals)]

@@ -109,13 +109,15 @@ class PagedKVCache:
         for s in slices:
             table = self.tables[s.seq_id]
             slots += [table[p // bs] * bs + p % bs for p in range(s.start, s.start + s.num_tokens)]
-        decodes = [s for s in slices if s.num_tokens == 1]
-        num_decodes = len(decodes)
-        assert all(s.num_tokens == 1 for s in slices[:num_decodes]), "decodes must lead the batch"
-        tables = self._padded_tables(decodes)
-        lengths = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long)
+        decodes = [s for s in slices if s.num_tokens == 1 or s.as_decodes]
+        assert all(s.num_tokens == 1 or s.as_decodes for s in slices[:len(decodes)]), "decodes must lead the batch"
+        rows = [s.num_tokens for s in decodes]
+        num_decodes = sum(rows)
+        tables = self._padded_tables(decodes).repeat_interleave(torch.tensor(rows, dtype=torch.long), dim=0)
+        lengths = torch.tensor([p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)],
+                               dtype=torch.long)
         mask = torch.arange(tables.shape[1] * bs)[None, :] < lengths[:, None]
-        prefills = [(s, torch.tensor(self.tables[s.seq_id], device=self.device)) for s in slices[num_decodes:]]
+        prefills = [(s, torch.tensor(self.tables[s.seq_id], device=self.device)) for s in slices[len(decodes):]]
         row_tables = row_lengths = None
         if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
             rows_of = torch.tensor([s.num_tokens for s in slices])

@@ -30,7 +30,7 @@ class ModelRunner:
             end = start + item.num_tokens
             input_ids += seq.tokens(start, end - len(item.draft)) + item.draft
             positions += range(start, end)
-            slices.append(SequenceSlice(seq.seq_id, start, item.num_tokens))
+            slices.append(SequenceSlice(seq.seq_id, start, item.num_tokens, as_decodes=bool(item.draft)))
             if item.samples:
                 sample_rows += range(len(input_ids) - 1 - len(item.draft), len(input_ids))
             if seq.pooling is not None and (item.pools or seq.pooling == "mean"):  # last: the final chunk only

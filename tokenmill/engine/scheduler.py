@@ -113,8 +113,8 @@ class Scheduler:
         # Admit only when nothing had to be preempted: memory is short this step.
         if not self._schedule_running(plan, budget):
             self._admit_waiting(plan, budget)
-        # Decodes lead the flat batch: the runner and attention treat them as one group.
-        plan.sort(key=lambda item: item.num_tokens > 1)
+        # Decodes (with their proposals) lead the flat batch: the runner and attention treat them as one group.
+        plan.sort(key=lambda item: item.num_tokens > 1 and not item.draft)
         return plan
 
     def _schedule_running(self, plan: list[ScheduledSequence], budget: _Budget) -> bool:

@@ -21,18 +21,22 @@ class SequenceSlice:
     seq_id: int
     start: int  # tokens of this sequence already in the cache (its first new token's position)
     num_tokens: int  # new tokens of this sequence in the flat batch
+    # Each token attends as a decode row of its own, over the keys up to its position (a speculative step's decode
+    # token and proposals: a few tokens, which the decode kernels and the fused decode layer then run).
+    as_decodes: bool = False
 
 
 @dataclass
 class PagedMetadata:
-    """A step over a paged pool. Decoding sequences (one new token each) come first in the flat batch."""
+    """A step over a paged pool. Decode rows (one new token of a sequence each, or the tokens of an as_decodes
+    slice, one row each) come first in the flat batch."""
 
     k_cache: torch.Tensor  # [layers, blocks, block size, kv heads, dim]
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [tokens]: where each new token's K/V goes in the flattened pool
     num_decodes: int
-    decode_tables: torch.Tensor  # [decodes * max blocks]: the block tables, flat, padded with the null block
-    decode_lengths: torch.Tensor  # [decodes]: keys of each decoding sequence, its new token's included
+    decode_tables: torch.Tensor  # [decodes * max blocks]: each row's block table, flat, padded with the null block
+    decode_lengths: torch.Tensor  # [decodes]: keys each row sees, its own token's included
     decode_mask: torch.Tensor  # [decodes, 1, 1, max blocks * block size]: True where a key exists
     prefills: list[tuple[SequenceSlice, torch.Tensor]]  # (slice, its block table), for the rest
     # Deterministic mode: every row's block table [tokens, width] and key count (its position + 1), so that a
