@@ -90,7 +90,8 @@ def synthetic_text(rng: random.Random, tokens: int) -> str:
 def rewrite_prompt(rng: random.Random, tokens: int) -> str:
     """Code of about `tokens` tokens (one-line functions named from the word list) and a request to rewrite it
     with one name changed: an answer that copies its prompt, as edits of code and documents do."""
-    functions, names = [], []
+    functions: list[str] = []
+    names: list[str] = []
     while len(functions) * 14 < tokens:
         name, a, b = rng.sample(_WORDS, 3)
         names.append(name)
