@@ -12,7 +12,6 @@ from helpers import assert_no_live_blocks, counted, start_engine, submit
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.spec import NgramProposer
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
 
@@ -154,10 +153,3 @@ def test_aborts_and_preemption_leave_no_block_behind(smollm, prompts) -> None:
     assert same(plain, spec)
     assert counted(engine.metrics.preemptions) > 0 and counted(engine.metrics.spec_accepted_tokens) > 0
 
-
-def test_ngram_lookup_takes_the_longest_latest_match() -> None:
-    proposer = NgramProposer(2, 3)
-    assert proposer.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 2, 3], 2) == [7, 7]  # "2 3": the latest occurrence
-    assert proposer.propose([1, 2, 3, 5, 2, 3, 6, 1, 2, 3], 3) == [5, 2, 3]  # "1 2 3" beats the later "2 3"
-    assert proposer.propose([1, 2, 3, 4], 2) == [] and proposer.propose([5, 5], 4) == []
-    assert proposer.propose([4, 4, 4], 4) == [4]  # the suffix itself is not a match; what follows is cut at the end

@@ -506,3 +506,4 @@ def test_a_draft_runs_after_its_decode_token_within_the_budget_and_never_preempt
     plan = sched.schedule()
     assert [(p.seq.seq_id, p.num_tokens, p.draft) for p in plan] == [(0, 1, []), (1, 1, [])]
     assert sched.stats.preemptions == 0
+

@@ -26,7 +26,7 @@ from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogp
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.spec import NgramProposer
+from tokenmill.engine.spec import AcceptanceGate, NgramProposer
 from tokenmill.errors import ConfigError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.models.config import attention_crossover
@@ -93,6 +93,7 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), mc.vocab_size, self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, c.seed, self.grammars)
         self.proposer = self._proposer()
+        self.gate = AcceptanceGate()
 
     def _proposer(self) -> NgramProposer | None:
         c = self.config
@@ -244,6 +245,9 @@ class Engine:
             if any(drafts):
                 tokens, logprobs = self.sampler.verify(logits, sampled, drafts)
                 self.metrics.count_drafts(drafts, tokens)
+                for seq, draft, kept in zip(sampled, drafts, tokens, strict=True):
+                    if draft:
+                        self.gate.record(seq, len(draft), len(kept) - 1)
             else:
                 one, their_logprobs = self.sampler(logits, sampled)
                 tokens, logprobs = [[t] for t in one], [[lp] for lp in their_logprobs]
@@ -267,8 +271,8 @@ class Engine:
 
     def _propose(self) -> None:
         """Speculative decoding: a proposal for each decoding sequence (none with a grammar, whose masks follow
-        accepted tokens only), at most what its max_tokens and the context leave room for; none at all while more
-        sequences than speculative_max_seqs decode."""
+        accepted tokens only; none while its proposals fail, see AcceptanceGate), at most what its max_tokens and
+        the context leave room for; none at all while more sequences than speculative_max_seqs decode."""
         if self.proposer is None:
             return
         c, running = self.config, self.scheduler.running
@@ -277,6 +281,8 @@ class Engine:
         for seq in running + list(self.scheduler.waiting):
             seq.draft = []
         for seq in decoding if going else []:
+            if not self.gate.allows(seq):
+                continue
             room = min(seq.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens)
             seq.draft = self.proposer.propose(seq.tokens(0, seq.num_tokens), min(c.num_speculative_tokens, room))
 

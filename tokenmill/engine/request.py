@@ -27,6 +27,16 @@ class TokenLogprob:
 
 
 @dataclass
+class SpeculationState:
+    """A sequence's record of its proposals (engine/spec.py AcceptanceGate): the running acceptance rate, steps
+    to go without proposals, and the pause the next one will take."""
+
+    rate: float = 1.0
+    skip: int = 0
+    cooldown: int = 0
+
+
+@dataclass
 class SequenceOutput:
     """One engine step's news for one sequence."""
 
@@ -64,6 +74,7 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens not yet sent
     # Speculative decoding: tokens proposed to follow this sequence, checked by the next step (engine/spec.py).
     draft: list[int] = field(default_factory=list)
+    speculation: SpeculationState = field(default_factory=SpeculationState)
 
     def __post_init__(self) -> None:
         if self.params.max_tokens is None:

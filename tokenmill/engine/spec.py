@@ -8,8 +8,45 @@ one stream gains several tokens a step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from tokenmill.engine.request import Sequence
+
+
+@dataclass
+class AcceptanceGate:
+    """Pauses a sequence's proposals while few of them are accepted (each costs a row of the step): an
+    exponential average of each check's acceptance (weight `weight`); below `low` the sequence goes `cooldown`
+    steps without proposals, the pause doubling with each pause in a row (up to max_cooldown) and back to `cooldown`
+    once the average is above `high` again. After a pause the average restarts at `high`: two checks with nothing
+    accepted pause it again, so a sequence whose proposals fail costs a few rows now and then, not every step."""
+
+    low: float = 0.2
+    high: float = 0.4
+    weight: float = 0.3
+    cooldown: int = 8
+    max_cooldown: int = 256
+
+    def allows(self, seq: Sequence) -> bool:
+        """Whether seq proposes this step (one step of its pause goes by if not)."""
+        state = seq.speculation
+        if state.skip > 0:
+            state.skip -= 1
+            return False
+        return True
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        state = seq.speculation
+        state.rate += self.weight * (accepted / proposed - state.rate)
+        if state.rate < self.low:
+            pause = min(2 * state.cooldown, self.max_cooldown) if state.cooldown else self.cooldown
+            state.skip = state.cooldown = pause
+            state.rate = self.high
+        elif state.rate >= self.high:
+            state.cooldown = 0
 
 
 class NgramProposer:
