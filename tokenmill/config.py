@@ -56,7 +56,8 @@ class EngineConfig:
                                              "RoPE, attention...)")
     speculative: str | None = option(None, "speculative decoding: ngram (prompt lookup: the tokens that followed "
                                            "the latest earlier occurrence of the sequence's last n-gram are proposed "
-                                           "and checked in the next step, lossless); default off")
+                                           "and checked in the next step, lossless) or suffix (the same, then "
+                                           "earlier requests' prompts and outputs); default off")
     num_speculative_tokens: int = option(4, "tokens proposed per sequence and step")
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix n-gram looked up")
     prompt_lookup_max: int = option(5, "ngram: the longest suffix n-gram looked up (the longest found wins)")

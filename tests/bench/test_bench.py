@@ -53,6 +53,8 @@ def test_workloads_are_seeded_and_shaped() -> None:
     assert arrivals[0] == 0 and arrivals == sorted(arrivals)
     assert 0.2 < arrivals[-1] / 399 < 0.3  # mean gap 1 / rate
     assert {c.arrival for c in build(WorkloadParams("burst"))} == {0.0}
+    repeated = [c.turns[0] for c in build(WorkloadParams("repeated", num_requests=8))]
+    assert repeated[:2] == repeated[2:4] == repeated[4:6] == repeated[6:] and repeated[0] != repeated[1]
     rewrite = build(WorkloadParams("rewrite", num_requests=3, prompt_len=200))
     assert len({c.turns[0] for c in rewrite}) == 3
     assert all(c.turns[0].count("def ") == 15 and "renamed to" in c.turns[0] for c in rewrite)  # 14 tokens each

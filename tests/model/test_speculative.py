@@ -153,3 +153,24 @@ def test_aborts_and_preemption_leave_no_block_behind(smollm, prompts) -> None:
     assert same(plain, spec)
     assert counted(engine.metrics.preemptions) > 0 and counted(engine.metrics.spec_accepted_tokens) > 0
 
+
+
+def test_the_suffix_cache_proposes_a_repeated_request_its_earlier_answer(smollm) -> None:
+    """A request repeated (an agent's retry, an extraction run again) whose answer its prompt does not hold: prompt
+    lookup finds little, the suffix cache the whole earlier answer; the tokens stay those of plain decoding."""
+    prompt = smollm.tokenizer.encode("<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    accepted = {}
+    answers = []
+    for spec in (None, "ngram", "suffix"):
+        engine = start_engine(smollm, speculative=spec, prefix_caching=False)
+        try:
+            first = run(engine, [prompt], [greedy(max_tokens=40, ignore_eos=True)])[0]
+            before = counted(engine.metrics.spec_accepted_tokens)
+            answers += [first, run(engine, [prompt], [greedy(max_tokens=40, ignore_eos=True)])[0]]
+            accepted[spec] = counted(engine.metrics.spec_accepted_tokens) - before  # in the second run
+        finally:
+            engine.stop()
+    assert all(same([answers[0]], [a]) for a in answers[1:])
+    # of the second answer's 40 tokens (at most 31: up to 4 accepted a step; measured 29 and 3)
+    assert accepted["suffix"] >= 25 and accepted["ngram"] < 15

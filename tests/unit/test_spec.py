@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokenmill.engine.request import Sequence
-from tokenmill.engine.spec import AcceptanceGate, NgramProposer
+from tokenmill.engine.spec import AcceptanceGate, NgramProposer, SuffixCacheProposer
 from tokenmill.sampling import SamplingParams
 
 
@@ -39,3 +39,16 @@ def test_proposals_that_keep_failing_pause_longer_and_longer_and_good_ones_never
     gate.record(bad, 4, 4)
     gate.record(bad, 4, 4)  # a good stretch: the next pause starts short again
     assert bad.speculation.cooldown == 0
+
+
+def test_the_suffix_cache_proposes_what_followed_in_earlier_requests() -> None:
+    proposer = SuffixCacheProposer(2, 3, capacity=100)
+    assert proposer.propose([7, 8, 9], 2) == []
+    proposer.learn([1, 2, 3, 4, 5, 6])
+    assert proposer.propose([9, 2, 3], 2) == [4, 5]  # "2 3" last led to 4 5
+    assert proposer.propose([9, 1, 2, 3], 4) == [4, 5, 6]  # the longest match, cut at the end of what was learned
+    proposer.learn([0, 2, 3, 7])
+    assert proposer.propose([2, 3], 2) == [7]  # the latest request wins
+    assert proposer.propose([2, 3, 9, 2, 3], 2) == [9, 2]  # the sequence's own tokens come first
+    proposer.learn(list(range(100, 200)))  # 2 x 98 n-grams: the earliest are evicted
+    assert len(proposer.index) == 100 and proposer.propose([1, 2, 3], 2) == []

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import option  # one --flag per field, as for the server's config
 
-WORKLOADS = ("baseline", "burst", "staggered", "long-prompt", "shared-prefix", "multi-turn", "rewrite")
+WORKLOADS = ("baseline", "burst", "staggered", "long-prompt", "shared-prefix", "multi-turn", "rewrite", "repeated")
 WORDS_PER_TOKEN = 0.92
 
 _WORDS = """
@@ -132,5 +132,9 @@ def build(params: WorkloadParams) -> list[Conversation]:
     arrivals = [max(at, params.long_prompt_delay) if is_long else at
                 for at, is_long in zip(_arrivals(params, n), long, strict=True)]
     text = rewrite_prompt if params.name == "rewrite" else synthetic_text
-    return [Conversation(i, [text(rng, lengths[i]) for _ in range(turns)], system, arrival, long[i])
-            for i, arrival in enumerate(arrivals)]
+    conversations = [Conversation(i, [text(rng, lengths[i]) for _ in range(turns)], system, arrival, long[i])
+                     for i, arrival in enumerate(arrivals)]
+    if params.name == "repeated":  # each of n / 4 prompts sent four times, in turn: an agent's or extractor's calls
+        for c in conversations:
+            c.turns = conversations[c.index % max(1, n // 4)].turns
+    return conversations

@@ -26,7 +26,7 @@ from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogp
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.spec import AcceptanceGate, NgramProposer
+from tokenmill.engine.spec import AcceptanceGate, NgramProposer, Proposer, SuffixCacheProposer
 from tokenmill.errors import ConfigError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.models.config import attention_crossover
@@ -95,15 +95,17 @@ class Engine:
         self.proposer = self._proposer()
         self.gate = AcceptanceGate()
 
-    def _proposer(self) -> NgramProposer | None:
+    def _proposer(self) -> Proposer | None:
         c = self.config
         if c.speculative is None:
             return None
-        if c.speculative != "ngram":
-            raise ConfigError(f"--speculative {c.speculative}: tokenmill has ngram (suffix, draft: not yet)")
+        if c.speculative not in ("ngram", "suffix"):
+            raise ConfigError(f"--speculative {c.speculative}: tokenmill has ngram and suffix (draft: not yet)")
         if c.num_speculative_tokens < 1:
             raise ConfigError(f"--num-speculative-tokens {c.num_speculative_tokens}: at least 1")
         try:
+            if c.speculative == "suffix":
+                return SuffixCacheProposer(c.prompt_lookup_min, c.prompt_lookup_max)
             return NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
         except ValueError as exc:
             raise ConfigError(f"--prompt-lookup-min/max: {exc}") from exc
@@ -344,6 +346,8 @@ class Engine:
         seq.num_sent_tokens, seq.pending_logprobs = len(seq.output_ids), []
         if final:
             self._seqs.pop(seq.seq_id, None)
+            if self.proposer is not None and error is None and seq.pooling is None:
+                self.proposer.learn(seq.tokens(0, seq.num_tokens))
             with self._unfinished_lock:
                 self._unfinished -= 1
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))

@@ -8,7 +8,9 @@ one stream gains several tokens a step.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -49,6 +51,16 @@ class AcceptanceGate:
             state.cooldown = 0
 
 
+class Proposer(Protocol):
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens guessed to follow a sequence's tokens."""
+        ...
+
+    def learn(self, tokens: list[int]) -> None:
+        """A finished sequence's prompt and output, for the proposals of later ones."""
+        ...
+
+
 class NgramProposer:
     """Prompt lookup: the longest suffix n-gram of the sequence (max_n tokens down to min_n) found earlier in it
     proposes the tokens that followed its latest earlier occurrence."""
@@ -57,6 +69,9 @@ class NgramProposer:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt lookup n-grams of {min_n} to {max_n} tokens")
         self.min_n, self.max_n = min_n, max_n
+
+    def learn(self, tokens: list[int]) -> None:
+        """Nothing: each sequence looks in its own tokens only."""
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) < self.min_n + 1:
@@ -70,3 +85,39 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return tokens[start:start + k]
         return []
+
+
+class SuffixCacheProposer:
+    """Prompt lookup first; where the sequence's own tokens propose nothing, earlier requests' prompts and outputs
+    do: every n-gram of theirs (min_n to max_n tokens) maps to what followed it, the latest sequence's winning, up to
+    `capacity` n-grams (the least recently used go first). A repeated agent or extraction call is proposed the
+    previous answer even where its prompt does not hold it (SuffixDecoding's idea, with a bounded n-gram map in
+    place of its suffix tree)."""
+
+    def __init__(self, min_n: int, max_n: int, capacity: int = 200_000) -> None:
+        self.own = NgramProposer(min_n, max_n)
+        self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
+        self.index: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        draft = self.own.propose(tokens, k)
+        if draft or k <= 0:
+            return draft
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            key = tuple(tokens[-n:])
+            hit = self.index.get(key)
+            if hit is not None:
+                self.index.move_to_end(key)
+                source, end = hit
+                return source[end:end + k]
+        return []
+
+    def learn(self, tokens: list[int]) -> None:
+        tokens = list(tokens)  # its own copy: the n-grams point into it
+        for end in range(self.min_n, len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                key = tuple(tokens[end - n:end])
+                self.index[key] = (tokens, end)
+                self.index.move_to_end(key)
+        while len(self.index) > self.capacity:
+            self.index.popitem(last=False)
