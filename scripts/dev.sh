@@ -27,6 +27,12 @@ case "$verb" in
     "$venv/bin/ruff" check tokenmill tests scripts
     "$venv/bin/lint-imports"  # the layers of .importlinter: a request flows one way
     "$venv/bin/mypy"  # [tool.mypy] in pyproject.toml
+    # tests/e2e/test_browser.py drives Debian's Chromium: installed here where this user may (root, apt-get);
+    # without it those tests are skipped.
+    if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
+        || echo "could not install chromium: the browser tests will be skipped" >&2
+    fi
     exec "$py" -m pytest "$@" ;;
   mutate) exec "$py" scripts/mutate.py "$@" ;;
   *) echo "unknown verb $verb: use serve, test or mutate" >&2; exit 2 ;;

@@ -1,4 +1,4 @@
-"""`tokenmill serve [MODEL]`, `tokenmill pull ALIAS` and `tokenmill bench`."""
+"""`tokenmill serve [MODEL]`, `tokenmill chat [MODEL | --url URL]`, `tokenmill pull ALIAS` and `tokenmill bench`."""
 
 from __future__ import annotations
 
@@ -48,6 +48,18 @@ def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
                        help="a .gguf file, a Hugging Face folder, a hub id or an alias (default: %(default)s)")
     _add_dataclass_flags(serve, EngineConfig, skip={"model"})
     _add_dataclass_flags(serve, ServerConfig)
+    chat = sub.add_parser("chat", help="chat in the terminal, with MODEL in this process or a server at --url")
+    chat.add_argument("model", nargs="?", default=EngineConfig.model,
+                      help="the model to load (default: %(default)s); with --url, the model to ask for (default: the "
+                           "server's first)")
+    chat.add_argument("--url", help="a running OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1")
+    chat.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                      help="the server's API key (default: $TOKENMILL_API_KEY)")
+    chat.add_argument("--system", help="a system prompt")
+    chat.add_argument("--temperature", type=float, help="(default: the server's)")
+    chat.add_argument("--max-tokens", type=int, help="longest reply (default: the rest of the context)")
+    chat.add_argument("--log-level", default="warning", help="(default: %(default)s)")
+    _add_dataclass_flags(chat, EngineConfig, skip={"model"})
     pull = sub.add_parser("pull", help="fetch an embedded default model into the cache")
     pull.add_argument("alias")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (see tokenmill/bench/README.md)")
@@ -141,6 +153,12 @@ def main(argv: list[str] | None = None) -> None:
             print(pull(args.alias))
         elif args.command == "serve":
             sys.exit(serve(_pick(EngineConfig, args), _pick(ServerConfig, args)))
+        elif args.command == "chat":
+            from tokenmill.chat import main as chat_main
+
+            url_given = args.url is not None
+            sys.exit(chat_main(_pick(EngineConfig, args), args.url, args.api_key, args.model if url_given else None,
+                               args.system, args.temperature, args.max_tokens))
         elif args.command == "bench":
             sys.exit(_bench_main()(args))
     except (ModelFormatError, ConfigError) as exc:

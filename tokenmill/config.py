@@ -75,6 +75,7 @@ class ServerConfig:
     port: int = option(8000, "TCP port")
     served_model_name: str | None = option(None, "the model id /v1/models lists (default: the MODEL argument)")
     log_level: str = option("info", "debug, info, warning or error")
+    ui: bool = option(True, "the chat page at / and the engine dashboard at /dashboard (--no-ui: neither)")
     api_key: tuple[str, ...] = option((), "accept only requests that carry one of these keys as a Bearer token (every "
                                           "route but /health); repeat for several; default: $TOKENMILL_API_KEY, "
                                           "comma-separated, or none")

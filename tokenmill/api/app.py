@@ -14,10 +14,11 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from tokenmill.api.engine_client import EngineClient
 from tokenmill.api.errors import install_error_handlers
-from tokenmill.api.guards import RequestGuard, ServingState
+from tokenmill.api.guards import OPEN_ROUTES, RequestGuard, ServingState
 from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.routes import Serving, router
 from tokenmill.api.tool_parsers import choose_parser
+from tokenmill.api.ui import ui_routes
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError
@@ -50,11 +51,14 @@ def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None, c
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.state.serving = Serving(engine, EngineClient(engine), model_id, {model_id, *(aliases or set())}, config,
                                 state, store)
+    pages, page_paths = ui_routes() if config.ui else (None, set())
     app.add_middleware(RequestGuard, state=state, api_keys=config.api_key, max_body_bytes=config.max_request_bytes,
-                       max_json_depth=config.max_json_depth)
+                       max_json_depth=config.max_json_depth, open_routes=frozenset(OPEN_ROUTES | page_paths))
     if config.allowed_origins:  # outermost, so preflight requests are answered before the API key is asked
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     install_error_handlers(app)
     app.include_router(router)
+    if pages is not None:
+        app.include_router(pages)
     return app

@@ -23,7 +23,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_ROUTES = {"/health"}  # no API key needed; answers 503 itself while draining
+OPEN_ROUTES = {"/health"}  # no API key needed; answers 503 itself while draining (the app adds its pages)
 _JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)  # possessive: no backtracking over long strings
 _BRACKET_STEP = np.zeros(256, dtype=np.int32)  # +1 for an opening bracket, -1 for a closing one, by byte value
 _BRACKET_STEP[[ord("["), ord("{")]], _BRACKET_STEP[[ord("]"), ord("}")]] = 1, -1
@@ -49,15 +49,16 @@ def _api_key_ok(header: bytes | None, keys: tuple[bytes, ...]) -> bool:
 
 class RequestGuard:
     def __init__(self, app: ASGIApp, state: ServingState, api_keys: tuple[str, ...], max_body_bytes: int,
-                 max_json_depth: int) -> None:
+                 max_json_depth: int, open_routes: frozenset[str] = frozenset(OPEN_ROUTES)) -> None:
         self.app = app
+        self.open_routes = open_routes
         self.state = state
         self.keys = tuple(k.encode() for k in api_keys)
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_ROUTES:
+        if scope["type"] != "http" or scope["path"] in self.open_routes:
             return await self.app(scope, receive, send)
         refusal = self._refuse(scope)
         if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):

@@ -73,6 +73,17 @@ async def metrics(request: Request) -> Response:
     return Response(_serving(request).engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+@router.get("/stats")
+async def stats(request: Request) -> JSONResponse:
+    """The dashboard's data, one JSON snapshot of the engine and its counters (README: "The chat page and the
+    dashboard"); the same counters as /metrics."""
+    serving = _serving(request)
+    engine = serving.engine
+    return JSONResponse({"object": "tokenmill.stats", "time": time.time(), "model": serving.model_id,
+                         "uptime_s": round(time.time() - serving.created, 1), "max_model_len": engine.max_model_len,
+                         "max_num_seqs": engine.config.max_num_seqs, **engine.snapshot()})
+
+
 def _model_card(serving: Serving) -> dict[str, Any]:
     return {"id": serving.model_id, "object": "model", "created": serving.created, "owned_by": "tokenmill",
             "max_model_len": serving.engine.max_model_len, "deterministic": serving.engine.config.deterministic}

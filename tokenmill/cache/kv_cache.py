@@ -62,6 +62,15 @@ class PagedKVCache:
         """Share of blocks held by live requests (blocks only the prefix cache holds are free to evict)."""
         return len(self._live) / self.pool.num_blocks
 
+    def occupancy(self) -> dict[str, float | int]:
+        """For the dashboard: blocks live sequences hold, blocks only the prefix cache holds (free to evict), all."""
+        live = len(self._live)
+        return {"usage": live / self.pool.num_blocks, "block_size": self.block_size, "blocks_used": live,
+                "blocks_cached": self.pool.num_used - live, "blocks_total": self.pool.num_blocks}
+
+    def blocks_of(self, seq_id: int) -> int:
+        return len(self.tables.get(seq_id, ()))
+
     def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool:
         """Make room for the sequence's first num_tokens tokens; False (and nothing taken) if the pool is short."""
         table = self.tables.get(seq_id, [])
@@ -156,6 +165,12 @@ class ContiguousKVCache:
 
     def usage(self) -> float:
         return self._reserved / self.capacity_tokens
+
+    def occupancy(self) -> dict[str, float | int]:
+        return {"usage": self.usage(), "tokens_reserved": self._reserved, "tokens_total": self.capacity_tokens}
+
+    def blocks_of(self, seq_id: int) -> int:
+        return 0  # one buffer a sequence, no blocks
 
     def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
         return 0  # no sharing in this layout

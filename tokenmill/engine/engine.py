@@ -156,6 +156,19 @@ class Engine:
     def num_waiting(self) -> int:
         return self._unfinished - self._num_running
 
+    def snapshot(self) -> dict[str, object]:
+        """What the dashboard shows (GET /stats): the engine's state now, read from any thread while the loop runs
+        on (a glance: a sequence may move on while it is read), and its counters."""
+        now = time.perf_counter()
+        running, waiting = tuple(self.scheduler.running), tuple(self.scheduler.waiting)
+        sequences = [{"id": seq.seq_id, "state": state, "prompt_tokens": len(seq.prompt_ids),
+                      "generated_tokens": len(seq.output_ids), "computed_tokens": seq.num_computed_tokens,
+                      "cached_tokens": seq.num_cached_tokens or 0, "blocks": self.kv_cache.blocks_of(seq.seq_id),
+                      "age_s": round(now - seq.arrival_time, 3)}
+                     for state, group in (("running", running), ("waiting", waiting)) for seq in group]
+        return {"running": len(running), "waiting": len(waiting), "kv": self.kv_cache.occupancy(),
+                **self.metrics.snapshot(speculative=self.proposer is not None), "sequences": sequences}
+
     def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, grammar: Grammar | None = None,
             embed: bool = False) -> int:
         """Queue one sequence (params.max_tokens resolved, ids checked: see api/engine_client.py); its outputs go to
@@ -236,7 +249,9 @@ class Engine:
     def _step(self) -> None:
         self._propose()
         plan = self.scheduler.schedule()
-        self.metrics.count(self.scheduler)  # before any output: whoever has the step's tokens sees them counted
+        # Before any output, so whoever has the step's tokens sees them counted; prefill: prompt chunks, and the
+        # tokens a preempted sequence recomputes.
+        self.metrics.count(self.scheduler, sum(item.num_tokens for item in plan if not item.seq.decoding))
         if not plan:
             return
         sampling = [item for item in plan if item.samples]
@@ -291,14 +306,16 @@ class Engine:
     def _emit(self, seqs: list[Sequence], logprobs: list[list[TokenLogprob | None]]) -> None:
         """Turn the step's new tokens into outputs: text, stop strings (which finish a sequence), timings."""
         now = time.perf_counter()
+        generated = sum(len(seq.output_ids) - seq.num_sent_tokens for seq in seqs)
+        self.metrics.generation_tokens.inc(generated)
+        self.metrics.rates.add(time.time(), generated=generated)
         for seq, logprob in zip(seqs, logprobs, strict=True):
             new = seq.output_ids[seq.num_sent_tokens:]
             if seq.num_sent_tokens:
-                self.metrics.itl.observe(now - seq.last_token_time)
+                self.metrics.observe_next_token(now - seq.last_token_time)
             else:
-                self.metrics.ttft.observe(now - seq.arrival_time)
+                self.metrics.observe_first_token(now - seq.arrival_time)
             seq.last_token_time = now
-            self.metrics.generation_tokens.inc(len(new))
             ended = self._ended_by_end_token(seq)
             seq.pending_logprobs += [lp for lp in logprob[:len(logprob) - ended] if lp is not None]
             for token in new[:-1] if ended else new:

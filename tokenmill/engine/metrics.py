@@ -1,7 +1,12 @@
-"""Prometheus metrics, named like vLLM's (`vllm:` becomes `tokenmill:`). One registry per engine, no globals."""
+"""Prometheus metrics, named like vLLM's (`vllm:` becomes `tokenmill:`), one registry per engine, no globals; and the
+dashboard's view of the same counters: recent latencies and tokens per second over the last minutes."""
 
 from __future__ import annotations
 
+import math
+import threading
+import time
+from collections import deque
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -13,6 +18,43 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7
 
 class _KVUsage(Protocol):
     def usage(self) -> float: ...
+
+
+class RateHistory:
+    """Tokens counted into one-second buckets, the last `seconds` of them kept (written by the engine thread, read by
+    the API's)."""
+
+    def __init__(self, seconds: int = 300) -> None:
+        self.seconds = seconds
+        self._buckets: deque[list[int]] = deque(maxlen=seconds)  # [second, generated, prompt]
+        self._lock = threading.Lock()
+
+    def add(self, now: float, generated: int = 0, prompt: int = 0) -> None:
+        second = int(now)
+        with self._lock:
+            if self._buckets and self._buckets[-1][0] == second:
+                self._buckets[-1][1] += generated
+                self._buckets[-1][2] += prompt
+            else:
+                self._buckets.append([second, generated, prompt])
+
+    def series(self, now: float) -> tuple[list[int], list[int]]:
+        """Generated and prompt tokens of each whole second of the last `seconds`, oldest first, zeros included."""
+        last = int(now) - 1  # the current second is not over yet
+        with self._lock:
+            counts = {second: (generated, prompt) for second, generated, prompt in self._buckets}
+        seconds = range(last - self.seconds + 1, last + 1)
+        return [counts.get(s, (0, 0))[0] for s in seconds], [counts.get(s, (0, 0))[1] for s in seconds]
+
+
+def percentiles(samples: deque[float]) -> dict[str, float | int | None]:
+    """p50, p90 and p99 of the samples (nearest rank), and how many there are."""
+    values = sorted(list(samples))
+    ranks = {"p50": 0.50, "p90": 0.90, "p99": 0.99}
+    if not values:
+        return {"count": 0, **{name: None for name in ranks}}
+    return {"count": len(values), **{name: values[max(0, math.ceil(q * len(values)) - 1)]
+                                     for name, q in ranks.items()}}
 
 
 class EngineMetrics:
@@ -42,6 +84,22 @@ class EngineMetrics:
         self.spec_accepted_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
                                              "Proposed tokens accepted, by their position in the proposal.",
                                              ["position"], registry=r)
+        # For the dashboard: the latest latencies (percentiles of a window, not of all time) and tokens per second.
+        self.recent_ttft: deque[float] = deque(maxlen=1000)
+        self.recent_itl: deque[float] = deque(maxlen=5000)
+        self.rates = RateHistory()
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.recent_ttft.append(seconds)
+
+    def observe_next_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.recent_itl.append(seconds)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """A sample's current value (a counter's `_total`), 0 where it has none yet."""
+        return self.registry.get_sample_value(name, labels) or 0.0
 
     def set_gauges(self, scheduler: Scheduler, kv: _KVUsage) -> None:
         """Once per loop turn: what runs, waits and holds KV memory now."""
@@ -49,9 +107,10 @@ class EngineMetrics:
         self.waiting.set(len(scheduler.waiting))
         self.kv_usage.set(kv.usage())
 
-    def count(self, scheduler: Scheduler) -> None:
-        """Once per step: what the scheduler counted since the last step."""
+    def count(self, scheduler: Scheduler, prompt_tokens: int) -> None:
+        """Once per step: what the scheduler counted since the last step, and the prompt tokens the step runs."""
         stats = scheduler.take_stats()
+        self.rates.add(time.time(), prompt=prompt_tokens)
         self.preemptions.inc(stats.preemptions)
         self.prefix_queries.inc(stats.prefix_queried_tokens)
         self.prefix_hits.inc(stats.prefix_hit_tokens)
@@ -67,6 +126,31 @@ class EngineMetrics:
             self.spec_accepted_tokens.inc(accepted)
             for position in range(accepted):
                 self.spec_accepted_per_pos.labels(position=str(position)).inc()
+
+    def snapshot(self, speculative: bool) -> dict[str, object]:
+        """The dashboard's counters (GET /stats): totals, rates of the last minutes, recent latency percentiles."""
+        v = self.value
+        queried, hit = v("tokenmill:prefix_cache_queries_total"), v("tokenmill:prefix_cache_hits_total")
+        generated, prompt = self.rates.series(time.time())
+        stats: dict[str, object] = {
+            "totals": {"prompt_tokens": int(v("tokenmill:prompt_tokens_total")),
+                       "generation_tokens": int(v("tokenmill:generation_tokens_total")),
+                       "preemptions": int(v("tokenmill:num_preemptions_total"))},
+            "prefix_cache": {"queried_tokens": int(queried), "hit_tokens": int(hit),
+                             "hit_rate": hit / queried if queried else None},
+            "throughput": {"interval_s": 1, "generation_tokens": generated, "prompt_tokens": prompt},
+            "latency": {"ttft_s": percentiles(self.recent_ttft), "itl_s": percentiles(self.recent_itl)},
+            "speculative": None,
+        }
+        if speculative:
+            drafts = v("tokenmill:spec_decode_num_drafts_total")
+            proposed = v("tokenmill:spec_decode_num_draft_tokens_total")
+            accepted = v("tokenmill:spec_decode_num_accepted_tokens_total")
+            stats["speculative"] = {"drafts": int(drafts), "draft_tokens": int(proposed),
+                                    "accepted_tokens": int(accepted),
+                                    "acceptance_rate": accepted / proposed if proposed else None,
+                                    "mean_accepted_length": accepted / drafts if drafts else None}
+        return stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

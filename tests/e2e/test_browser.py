@@ -1,0 +1,182 @@
+"""The chat page and the dashboard in headless Chromium (Debian's, driven by Playwright) against the live server on
+the real model: a reply streams in pieces, Stop aborts it on the server, model text never becomes HTML, the
+dashboard moves under load and settles after, and the key dialog. Screenshots of both pages (1280x800) go to
+artifacts/screenshots/ ($TOKENMILL_ARTIFACTS overrides the folder); the README shows them.
+
+Skipped where no Chromium is installed (scripts/dev.sh test installs Debian's where it can).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import ServerThread, openai_client
+
+from tokenmill.config import ServerConfig
+from tokenmill.loader import LoadedModel
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium to drive (apt-get install chromium)")
+ARTIFACTS = Path(os.environ.get("TOKENMILL_ARTIFACTS", Path(__file__).parents[2] / "artifacts")) / "screenshots"
+VIEWPORT = {"width": 1280, "height": 800}
+XSS = "<script>window.pwned = 1</script><img src=x onerror=window.pwned=2>"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):  # noqa: ANN001, ANN201 - Playwright's types
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    page.on("dialog", lambda dialog: page.errors.append(f"dialog: {dialog.message}"))
+    yield page
+    context.close()
+
+
+def stats(srv: ServerThread) -> dict:
+    return httpx.get(srv.root_url + "/stats").json()
+
+
+def wait_for(condition: Callable[[], object], seconds: float = 30, every: float = 0.05) -> object:
+    deadline = time.time() + seconds
+    while not (value := condition()):
+        if time.time() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(every)
+    return value
+
+
+def ask(page, srv: ServerThread, question: str, max_tokens: int = 1500) -> None:  # noqa: ANN001
+    page.goto(srv.root_url + "/")
+    page.wait_for_selector("#model option", state="attached")
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#prompt", question)
+    page.press("#prompt", "Enter")
+
+
+def reply_text(page) -> str:  # noqa: ANN001
+    return page.inner_text(".msg.assistant .content")
+
+
+def test_a_reply_streams_in_pieces_and_shows_its_speed(page, server: ServerThread) -> None:  # noqa: ANN001
+    question = "Explain in a few sentences what a hash table is, with a short Python example."
+    ask(page, server, question, 200)
+    lengths = []
+    while not page.query_selector(".msg.assistant .meta"):
+        lengths.append(len(reply_text(page)))
+        time.sleep(0.03)
+    seen = sorted(set(lengths) - {0})
+    assert len(seen) >= 3, f"the reply arrived in {len(seen)} piece(s): {seen}"  # streamed, not all at once
+    assert len(reply_text(page)) > seen[0]
+    meta = page.inner_text(".msg.assistant .meta")
+    assert "tokens" in meta and "tok/s" in meta and "first token" in meta, meta
+    assert page.inner_text(".msg.user .text") == question
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat.png"))
+    assert page.errors == []
+
+
+def test_stop_aborts_the_request_on_the_server(page, server: ServerThread) -> None:  # noqa: ANN001
+    ask(page, server, "Write a long story about a dragon who learns to cook. Make it at least ten paragraphs.")
+    wait_for(lambda: len(reply_text(page)) > 20)
+    assert stats(server)["running"] == 1  # still answering when Stop is pressed
+    page.click("#stop")
+    after = wait_for(lambda: (s := stats(server))["running"] == 0 and s, seconds=10)
+    assert after["kv"]["blocks_used"] == 0  # its KV blocks are back in the pool
+    assert "stopped" in page.inner_text(".msg.assistant .meta")
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+    generated = len(reply_text(page))
+    time.sleep(0.5)
+    assert len(reply_text(page)) == generated  # nothing more arrives
+    assert page.errors == []
+
+
+def test_model_text_is_never_html(page, server: ServerThread) -> None:  # noqa: ANN001
+    """A reply holding <script> and <img onerror> (forced by a JSON schema) shows as text; the Markdown renderer,
+    fed such text directly, builds no element from it."""
+    page.goto(server.root_url + "/")
+    page.wait_for_selector("#model option", state="attached")
+    page.select_option("#format", "json_schema")
+    page.fill("#schema", json.dumps({"enum": [XSS]}))
+    page.fill("#prompt", "Say something.")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant .meta")
+    content = page.query_selector(".msg.assistant .content")
+    assert json.loads(content.inner_text()) == XSS  # shown as the JSON string it is
+    assert content.query_selector("script, img") is None
+    rendered = page.evaluate("""async (text) => {
+        const { renderMarkdown } = await import('/ui/markdown.js');
+        const box = document.createElement('div');
+        box.append(renderMarkdown(text));
+        return { tags: [...box.querySelectorAll('*')].map(e => e.tagName.toLowerCase()),
+                 code: box.querySelector('pre code')?.textContent,
+                 hrefs: [...box.querySelectorAll('a')].map(a => a.href), text: box.textContent };
+    }""", f"# Title\n**bold**, `x < y` and [ok](https://example.com) {XSS}\n```html\n{XSS}\n```\n- "
+          "[bad](javascript:alert(1))")
+    assert set(rendered["tags"]) == {"h2", "p", "strong", "code", "pre", "ul", "li", "a"}
+    assert rendered["code"] == XSS and rendered["hrefs"] == ["https://example.com/"]
+    assert XSS in rendered["text"] and "[bad](javascript:alert(1))" in rendered["text"]
+    assert page.evaluate("window.pwned") is None and page.errors == []
+
+
+def test_the_dashboard_moves_under_load_and_settles(page, server: ServerThread) -> None:  # noqa: ANN001
+    page.goto(server.root_url + "/dashboard")
+    wait_for(lambda: page.inner_text("#running") == "0")
+    sdk = openai_client(server)
+
+    def one_stream(i: int) -> None:
+        sdk.chat.completions.create(model="smollm2-135m", max_tokens=160, extra_body={"ignore_eos": True},
+                                    messages=[{"role": "user", "content": f"Count to {i + 20}."}])
+
+    load = [threading.Thread(target=one_stream, args=(i,)) for i in range(8)]
+    for thread in load:
+        thread.start()
+    wait_for(lambda: int(page.inner_text("#running")) >= 4 and float(page.inner_text("#generation-rate")) > 0
+             and len(page.query_selector_all("#sequences tr")) >= 4)
+    rows = page.query_selector_all("#sequences tr")
+    assert page.inner_text("#status").startswith("live")
+    wait_for(lambda: max(page.eval_on_selector_all(  # for the picture: well under way (or done)
+        "#sequences td:nth-child(5)", "cells => cells.map(c => Number(c.textContent))") or [160]) >= 60)
+    assert all(row.query_selector("td:nth-child(2)").inner_text() in ("running", "waiting") for row in rows)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard.png"))
+    for thread in load:
+        thread.join()
+    wait_for(lambda: page.inner_text("#running") == "0" and not page.query_selector_all("#sequences tr"))
+    assert page.inner_text("#kv").startswith("0.0")
+    assert page.query_selector("#generation-chart polyline") is not None
+    assert int(page.inner_text("#generation-sub").split()[0]) >= 8 * 160
+    assert page.errors == []
+
+
+def test_pages_ask_for_the_api_key(browser, smollm: LoadedModel) -> None:  # noqa: ANN001
+    with ServerThread(smollm, "smollm2-135m", ServerConfig(api_key=("sesame",))) as srv:
+        context = browser.new_context(viewport=VIEWPORT)
+        page = context.new_page()
+        page.goto(srv.root_url + "/dashboard")
+        page.wait_for_selector("#key-dialog[open]")
+        assert page.inner_text("#status") == "needs an API key"
+        page.fill("#key-dialog input", "sesame")
+        page.click("#key-dialog button")
+        wait_for(lambda: page.inner_text("#status").startswith("live"))
+        page.goto(srv.root_url + "/")  # the key is kept for the chat page too
+        page.wait_for_selector("#model option", state="attached")
+        assert page.input_value("#model") == "smollm2-135m"
+        context.close()
