@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -250,3 +252,26 @@ def test_verify_keeps_proposals_while_each_sample_equals_them() -> None:
     tokens, logprobs = new_sampler().verify(x, [a, b], [[5, 6, 5], [2, 9]])
     assert tokens == [[5, 6, 1], [2, 4]] and [len(lp) for lp in logprobs] == [3, 2]
     assert a.output_ids == [0] and b.output_ids == [0]  # the scheduler appends them, not the sampler
+
+
+def chi_square(counts: Counter[int], expected: list[float], n: int) -> float:
+    return sum((counts[token] - n * p) ** 2 / (n * p) for token, p in enumerate(expected))
+
+
+CHI2_3DF_P001 = 16.27  # the chi-square distribution's 0.999 quantile at 3 degrees of freedom (any table)
+
+
+def test_verify_samples_every_position_from_the_plain_distribution() -> None:
+    """Lossless in distribution, not only under a seed: with proposals [0, 1], the first token of 4,000 sequences
+    follows row 0's distribution (what plain decoding draws from) whatever was proposed, the second, drawn where the
+    first equalled its proposal, row 1's, and a third follows only where both matched. Chi-square at p = 0.001 with
+    a fixed seed; a verify that kept proposals more often than its samples matched them fails it."""
+    n, p0, p1 = 4000, [0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]
+    x = torch.cat([probabilities(*p0), probabilities(*p1), probabilities(0.25, 0.25, 0.25, 0.25)]).repeat(n, 1)
+    plain, _ = new_sampler(seed=1)(x[0::3].clone(), [seq(i, temperature=1.0) for i in range(n)])
+    tokens, _ = new_sampler(seed=0).verify(x, [seq(i, temperature=1.0) for i in range(n)], [[0, 1]] * n)
+    assert chi_square(Counter(plain), p0, n) < CHI2_3DF_P001  # the plain draw itself, for reference
+    assert chi_square(Counter(t[0] for t in tokens), p0, n) < CHI2_3DF_P001
+    seconds = [t[1] for t in tokens if t[0] == 0]
+    assert chi_square(Counter(seconds), p1, len(seconds)) < CHI2_3DF_P001
+    assert all(len(t) == 1 + (t[0] == 0) + (t[0] == 0 and t[1] == 1) for t in tokens)
