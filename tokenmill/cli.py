@@ -49,9 +49,8 @@ def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
     _add_dataclass_flags(serve, EngineConfig, skip={"model"})
     _add_dataclass_flags(serve, ServerConfig)
     chat = sub.add_parser("chat", help="chat in the terminal, with MODEL in this process or a server at --url")
-    chat.add_argument("model", nargs="?", default=EngineConfig.model,
-                      help="the model to load (default: %(default)s); with --url, the model to ask for (default: the "
-                           "server's first)")
+    chat.add_argument("model", nargs="?", help=f"the model to load (default: {EngineConfig.model}); with --url, "
+                                                "the model to ask for (default: the server's first)")
     chat.add_argument("--url", help="a running OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1")
     chat.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                       help="the server's API key (default: $TOKENMILL_API_KEY)")
@@ -156,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "chat":
             from tokenmill.chat import main as chat_main
 
-            url_given = args.url is not None
-            sys.exit(chat_main(_pick(EngineConfig, args), args.url, args.api_key, args.model if url_given else None,
-                               args.system, args.temperature, args.max_tokens))
+            asked, args.model = args.model, args.model or EngineConfig.model
+            sys.exit(chat_main(_pick(EngineConfig, args), args.url, args.api_key, asked, args.system,
+                               args.temperature, args.max_tokens))
         elif args.command == "bench":
             sys.exit(_bench_main()(args))
     except (ModelFormatError, ConfigError) as exc:

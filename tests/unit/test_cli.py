@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -51,3 +52,13 @@ def test_bench_without_its_extra_says_how_to_install_it(missing: str, monkeypatc
     assert exit_.value.code == 2
     assert capsys.readouterr().err == (f"tokenmill: bench needs {missing}, which is not installed: "
                                        f"pip install 'tokenmill[bench]'\n")
+
+
+def test_chat_says_when_its_server_cannot_be_reached(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", "--url", f"http://127.0.0.1:{port}/v1"])  # no model named: it asks the server for one
+    assert exit_.value.code == 1
+    assert f"tokenmill chat: cannot reach http://127.0.0.1:{port}/v1" in capsys.readouterr().err
