@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -22,6 +23,9 @@ from helpers import ServerThread, openai_client
 
 from tokenmill.config import ServerConfig
 from tokenmill.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -32,7 +36,7 @@ XSS = "<script>window.pwned = 1</script><img src=x onerror=window.pwned=2>"
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
+def browser() -> Iterator[Browser]:
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         yield browser
@@ -40,14 +44,19 @@ def browser() -> Iterator[object]:
 
 
 @pytest.fixture
-def page(browser):  # noqa: ANN001, ANN201 - Playwright's types
+def page(browser: Browser) -> Iterator[Page]:
     context = browser.new_context(viewport=VIEWPORT)
-    page = context.new_page()
-    page.errors = []
-    page.on("pageerror", lambda error: page.errors.append(str(error)))
-    page.on("dialog", lambda dialog: page.errors.append(f"dialog: {dialog.message}"))
-    yield page
+    yield context.new_page()
     context.close()
+
+
+@pytest.fixture
+def errors(page: Page) -> list[str]:
+    """What went wrong in the page: uncaught script errors, and any alert a script opened."""
+    seen: list[str] = []
+    page.on("pageerror", lambda error: seen.append(str(error)))
+    page.on("dialog", lambda dialog: seen.append(f"dialog: {dialog.message}"))
+    return seen
 
 
 def stats(srv: ServerThread) -> dict:
@@ -63,7 +72,7 @@ def wait_for(condition: Callable[[], object], seconds: float = 30, every: float 
     return value
 
 
-def ask(page, srv: ServerThread, question: str, max_tokens: int = 1500) -> None:  # noqa: ANN001
+def ask(page: Page, srv: ServerThread, question: str, max_tokens: int = 1500) -> None:
     page.goto(srv.root_url + "/")
     page.wait_for_selector("#model option", state="attached")
     page.fill("#max-tokens", str(max_tokens))
@@ -71,11 +80,11 @@ def ask(page, srv: ServerThread, question: str, max_tokens: int = 1500) -> None:
     page.press("#prompt", "Enter")
 
 
-def reply_text(page) -> str:  # noqa: ANN001
+def reply_text(page: Page) -> str:
     return page.inner_text(".msg.assistant .content")
 
 
-def test_a_reply_streams_in_pieces_and_shows_its_speed(page, server: ServerThread) -> None:  # noqa: ANN001
+def test_a_reply_streams_in_pieces_and_shows_its_speed(page: Page, errors: list[str], server: ServerThread) -> None:
     question = "Explain in a few sentences what a hash table is, with a short Python example."
     ask(page, server, question, 200)
     lengths = []
@@ -90,10 +99,10 @@ def test_a_reply_streams_in_pieces_and_shows_its_speed(page, server: ServerThrea
     assert page.inner_text(".msg.user .text") == question
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "chat.png"))
-    assert page.errors == []
+    assert errors == []
 
 
-def test_stop_aborts_the_request_on_the_server(page, server: ServerThread) -> None:  # noqa: ANN001
+def test_stop_aborts_the_request_on_the_server(page: Page, errors: list[str], server: ServerThread) -> None:
     ask(page, server, "Write a long story about a dragon who learns to cook. Make it at least ten paragraphs.")
     wait_for(lambda: len(reply_text(page)) > 20)
     assert stats(server)["running"] == 1  # still answering when Stop is pressed
@@ -105,10 +114,10 @@ def test_stop_aborts_the_request_on_the_server(page, server: ServerThread) -> No
     generated = len(reply_text(page))
     time.sleep(0.5)
     assert len(reply_text(page)) == generated  # nothing more arrives
-    assert page.errors == []
+    assert errors == []
 
 
-def test_model_text_is_never_html(page, server: ServerThread) -> None:  # noqa: ANN001
+def test_model_text_is_never_html(page: Page, errors: list[str], server: ServerThread) -> None:
     """A reply holding <script> and <img onerror> (forced by a JSON schema) shows as text; the Markdown renderer,
     fed such text directly, builds no element from it."""
     page.goto(server.root_url + "/")
@@ -133,10 +142,10 @@ def test_model_text_is_never_html(page, server: ServerThread) -> None:  # noqa: 
     assert set(rendered["tags"]) == {"h2", "p", "strong", "code", "pre", "ul", "li", "a"}
     assert rendered["code"] == XSS and rendered["hrefs"] == ["https://example.com/"]
     assert XSS in rendered["text"] and "[bad](javascript:alert(1))" in rendered["text"]
-    assert page.evaluate("window.pwned") is None and page.errors == []
+    assert page.evaluate("window.pwned") is None and errors == []
 
 
-def test_the_dashboard_moves_under_load_and_settles(page, server: ServerThread) -> None:  # noqa: ANN001
+def test_the_dashboard_moves_under_load_and_settles(page: Page, errors: list[str], server: ServerThread) -> None:
     page.goto(server.root_url + "/dashboard")
     wait_for(lambda: page.inner_text("#running") == "0")
     sdk = openai_client(server)
@@ -163,10 +172,10 @@ def test_the_dashboard_moves_under_load_and_settles(page, server: ServerThread) 
     assert page.inner_text("#kv").startswith("0.0")
     assert page.query_selector("#generation-chart polyline") is not None
     assert int(page.inner_text("#generation-sub").split()[0]) >= 8 * 160
-    assert page.errors == []
+    assert errors == []
 
 
-def test_pages_ask_for_the_api_key(browser, smollm: LoadedModel) -> None:  # noqa: ANN001
+def test_pages_ask_for_the_api_key(browser: Browser, smollm: LoadedModel) -> None:
     with ServerThread(smollm, "smollm2-135m", ServerConfig(api_key=("sesame",))) as srv:
         context = browser.new_context(viewport=VIEWPORT)
         page = context.new_page()

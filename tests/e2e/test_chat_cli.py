@@ -16,14 +16,14 @@ pexpect = pytest.importorskip("pexpect")
 TOKENMILL = [sys.executable, "-m", "tokenmill"]
 
 
-def spawn(*args: str, timeout: float = 60):  # noqa: ANN201 - pexpect's spawn
+def spawn(*args: str, timeout: float = 60) -> pexpect.spawn:
     child = pexpect.spawn(TOKENMILL[0], [*TOKENMILL[1:], "chat", *args], encoding="utf-8", timeout=timeout,
                           dimensions=(40, 200))
     child.expect_exact(">>> ")
     return child
 
 
-def read_pieces(child, seconds: float) -> list[tuple[float, str]]:  # noqa: ANN001
+def read_pieces(child: pexpect.spawn, seconds: float) -> list[tuple[float, str]]:
     """What the terminal shows, piece by piece with its arrival time, for up to `seconds` or until the prompt."""
     pieces: list[tuple[float, str]] = []
     deadline = time.time() + seconds

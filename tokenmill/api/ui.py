@@ -7,6 +7,7 @@ with an API key they ask for it. The pages themselves hold no secret and need no
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from functools import cache
 from importlib import resources
 
@@ -35,7 +36,7 @@ def _read(name: str) -> bytes:
     return resources.files("tokenmill.api").joinpath("static", name).read_bytes()
 
 
-def _file_route(name: str):  # noqa: ANN202 - a route handler
+def _file_route(name: str) -> Callable[[], Awaitable[Response]]:
     media_type = _TYPES[name[name.rindex("."):]]
 
     async def serve_file() -> Response:
