@@ -20,6 +20,7 @@ from tokenmill.layers import linear
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
 from tokenmill.loader import load_model
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight
+from tokenmill.models import registry
 
 # Where each type's fp16 scale fields sit in its block: random bytes there could be NaN or huge.
 _FP16_FIELDS = {QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q8_0: (0,), QType.Q5_0: (0,), QType.Q5_1: (0, 2),
@@ -202,6 +203,20 @@ def test_by_default_dense_copies_are_made_for_bf16_on_amx_only(flags: str, dtype
     loaded = load_model(str(path), dtype=dtype, device="cpu", prepack=False, dense_budget=None)
     quantized = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
     assert quantized and all((m.dense is not None) == dense for m in quantized)
+
+
+@serves_quantized
+def test_on_amx_a_model_over_the_automatic_budget_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f amx_bf16 amx_tile\n")
+    monkeypatch.setattr(linear, "CPUINFO", str(cpuinfo))
+    monkeypatch.setattr(registry, "AUTO_DENSE_BUDGET", 1 << 20)  # a 1 MiB budget, which the copies exceed
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
+    with caplog.at_level(logging.INFO, logger="tokenmill.models.registry"):
+        loaded = load_model(str(path), dtype="bfloat16", device="cpu", prepack=False, dense_budget=None)
+    assert all(m.dense is None for m in loaded.model.modules() if isinstance(m, QuantizedLinear))
+    assert "over the budget of 1 MiB" in caplog.text and "AMX only" not in caplog.text
 
 
 @serves_quantized

@@ -104,8 +104,10 @@ def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int | None, 
     if not quantized:
         return
     needed = sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
+    auto = budget is None
     if budget is None:
         budget = AUTO_DENSE_BUDGET if dtype == torch.bfloat16 and cpu_has_amx() else 0
+    if auto and budget == 0:
         why = "they pay for bf16 on a CPU with AMX only (--dense-weights-budget sets them)"
     else:
         why = f"they would take {needed >> 20} MiB, over the budget of {budget >> 20} MiB (--dense-weights-budget)"
