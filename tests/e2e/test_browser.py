@@ -117,6 +117,20 @@ def test_stop_aborts_the_request_on_the_server(page: Page, errors: list[str], se
     assert errors == []
 
 
+def test_an_error_shows_and_its_question_is_not_sent_again(page: Page, errors: list[str],
+                                                            server: ServerThread) -> None:
+    ask(page, server, "What is two plus two?", max_tokens=10**6)  # beyond the context: the server says 400
+    page.wait_for_selector(".msg.assistant .error")
+    assert "maximum context length" in page.inner_text(".msg.assistant .error")
+    page.fill("#max-tokens", "5")
+    page.fill("#prompt", "Hello")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.press("#prompt", "Enter")
+    assert json.loads(sent.value.post_data)["messages"] == [{"role": "user", "content": "Hello"}]
+    page.wait_for_selector(".msg.assistant:nth-of-type(4) .meta")
+    assert errors == []
+
+
 def test_model_text_is_never_html(page: Page, errors: list[str], server: ServerThread) -> None:
     """A reply holding <script> and <img onerror> (forced by a JSON schema) shows as text; the Markdown renderer,
     fed such text directly, builds no element from it."""

@@ -159,6 +159,7 @@ async function send(text) {
   inFlight = new AbortController();
   setBusy(true);
   let note = "";
+  let failed = false;
   try {
     const messages = system ? [{ role: "system", content: system }, ...history] : history;
     const response = await api("/v1/chat/completions", {
@@ -170,14 +171,18 @@ async function send(text) {
       reply.add(chunk);
     }
   } catch (error) {
-    if (error.name === "AbortError") note = "stopped";
-    else if (!(error instanceof KeyNeeded)) reply.box.append(el("div", "error", error.message));
+    if (error.name === "AbortError") note = "stopped"; // what came so far stays in the conversation
+    else {
+      failed = true;
+      reply.box.append(el("div", "error", error instanceof KeyNeeded ? "This server needs an API key." : error.message));
+    }
   } finally {
     inFlight = null;
     setBusy(false);
   }
   reply.done(note);
-  history.push(reply.message());
+  if (failed) history.pop(); // a question that got no answer is not sent again with the next one
+  else history.push(reply.message());
 }
 
 function setBusy(busy) {
