@@ -7,13 +7,14 @@ the reply (the connection closes and the server aborts the request) and the prom
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Generator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -49,25 +50,38 @@ class ChatClient:
             raise ChatError(_error_message(exc)) from exc
         except urllib.error.URLError as exc:
             raise ChatError(f"cannot reach {self.base_url}: {exc.reason}") from exc
+        except (OSError, http.client.HTTPException) as exc:  # a server gone before its answer, a timeout
+            raise ChatError(f"{self.base_url}: {exc or type(exc).__name__}") from exc
 
     def first_model(self) -> str:
-        with self._request("/models") as response:
-            return json.load(response)["data"][0]["id"]
+        try:
+            with self._request("/models") as response:
+                return json.load(response)["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ChatError(f"{self.base_url}/models lists no model") from exc
 
     def stream(self, body: dict[str, Any]) -> Generator[str, None, None]:
         """The reply's text as it streams; closing the generator closes the connection (the server aborts)."""
         with self._request("/chat/completions", {**body, "stream": True}) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise ChatError(chunk["error"].get("message", "the server failed"))
-                for choice in chunk.get("choices", []):
-                    text = choice.get("delta", {}).get("content")
-                    if text:
-                        yield text
+            try:
+                yield from _contents(response)
+            except (OSError, http.client.HTTPException, ValueError) as exc:  # the server went away mid-answer
+                raise ChatError(f"the answer broke off: {exc or type(exc).__name__}") from exc
+
+
+def _contents(lines: Iterable[bytes]) -> Iterator[str]:
+    """The text of each `data:` chunk of an OpenAI chat stream."""
+    for raw in lines:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise ChatError(chunk["error"].get("message", "the server failed"))
+        for choice in chunk.get("choices", []):
+            text = choice.get("delta", {}).get("content")
+            if text:
+                yield text
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
@@ -117,6 +131,10 @@ def reply(client: ChatClient, conversation: Conversation, options: dict[str, Any
         out.write("\n")
     except KeyboardInterrupt:
         out.write("\n(stopped)\n")
+    except ChatError as exc:
+        if not parts:
+            raise  # nothing came: the question is taken back (repl says why)
+        out.write(f"\n(the answer broke off: {exc})\n")
     finally:
         stream.close()  # the connection closes here: a stopped reply is aborted on the server
     conversation.turns.append({"role": "assistant", "content": "".join(parts)})

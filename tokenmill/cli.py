@@ -52,8 +52,8 @@ def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
     chat.add_argument("model", nargs="?", help=f"the model to load (default: {EngineConfig.model}); with --url, "
                                                 "the model to ask for (default: the server's first)")
     chat.add_argument("--url", help="a running OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1")
-    chat.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
-                      help="the server's API key (default: $TOKENMILL_API_KEY)")
+    chat.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY", "").split(",")[0].strip() or None,
+                      help="the server's API key (default: the first of $TOKENMILL_API_KEY)")
     chat.add_argument("--system", help="a system prompt")
     chat.add_argument("--temperature", type=float, help="(default: the server's)")
     chat.add_argument("--max-tokens", type=int, help="longest reply (default: the rest of the context)")

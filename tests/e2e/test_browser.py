@@ -131,6 +131,20 @@ def test_an_error_shows_and_its_question_is_not_sent_again(page: Page, errors: l
     assert errors == []
 
 
+def test_new_chat_mid_answer_starts_clean(page: Page, errors: list[str], server: ServerThread) -> None:
+    ask(page, server, "Write a long story about a dragon who learns to cook.")
+    wait_for(lambda: len(reply_text(page)) > 20)
+    page.click("#new-chat")  # aborts the answer streaming now, which must not land in the new conversation
+    wait_for(lambda: stats(server)["running"] == 0, seconds=10)
+    page.fill("#max-tokens", "5")
+    page.fill("#prompt", "Hello")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.press("#prompt", "Enter")
+    assert json.loads(sent.value.post_data)["messages"] == [{"role": "user", "content": "Hello"}]
+    page.wait_for_selector(".msg.assistant .meta")
+    assert errors == []
+
+
 def test_model_text_is_never_html(page: Page, errors: list[str], server: ServerThread) -> None:
     """A reply holding <script> and <img onerror> (forced by a JSON schema) shows as text; the Markdown renderer,
     fed such text directly, builds no element from it."""

@@ -36,8 +36,9 @@ def test_stats_follow_a_streaming_request_and_agree_with_metrics(tiny4k: LoadedM
         (seq,) = during["sequences"]
         assert seq["state"] == "running" and seq["prompt_tokens"] == 40 and seq["age_s"] > 0
         assert seq["computed_tokens"] >= 40 + seq["generated_tokens"] - 2  # a step or so behind what it has sampled
-        assert seq["blocks"] == -(-(seq["computed_tokens"] + 1) // 16) or seq["blocks"] >= 3
-        assert during["kv"]["blocks_used"] == seq["blocks"] == len(next(iter(srv.engine.kv_cache.tables.values())))
+        # a glance while the loop runs: the blocks of what is computed, and at most one block more being filled
+        assert -(-seq["computed_tokens"] // 16) <= seq["blocks"] <= -(-seq["computed_tokens"] // 16) + 1
+        assert during["kv"]["blocks_used"] in (seq["blocks"], seq["blocks"] + 1)
         assert during["kv"]["blocks_cached"] == 0  # what the prefix cache shares with a live sequence counts as used
         later = stats_when(srv, lambda s: s["sequences"] and s["sequences"][0]["generated_tokens"]
                            > seq["generated_tokens"])

@@ -3,17 +3,23 @@ Ctrl-C (kept as far as it came, its stream closed, which closes the connection).
 
 from __future__ import annotations
 
+import http.server
 import io
+import socket
+import threading
 from collections.abc import Generator
 from typing import Any
 
-from tokenmill.chat import ChatClient, Conversation, command, reply
+import pytest
+
+from tokenmill.chat import ChatClient, ChatError, Conversation, command, reply
 
 
 class FakeClient(ChatClient):
-    def __init__(self, pieces: list[str], interrupt_after: int | None = None) -> None:
+    def __init__(self, pieces: list[str], interrupt_after: int | None = None,
+                 raises: type[BaseException] | BaseException = KeyboardInterrupt) -> None:
         super().__init__("http://unused/v1")
-        self.pieces, self.interrupt_after = pieces, interrupt_after
+        self.pieces, self.interrupt_after, self.raises = pieces, interrupt_after, raises
         self.bodies: list[dict[str, Any]] = []
         self.closed = False
 
@@ -22,7 +28,7 @@ class FakeClient(ChatClient):
         try:
             for i, piece in enumerate(self.pieces):
                 if i == self.interrupt_after:
-                    raise KeyboardInterrupt
+                    raise self.raises
                 yield piece
         finally:
             self.closed = True
@@ -60,3 +66,43 @@ def test_commands() -> None:
     assert command("/system -", conversation, out) and conversation.system is None
     assert command("/help", conversation, out) and "/reset" in out.getvalue()
     assert not command("/bye", conversation, out) and not command("/exit", conversation, out)
+
+
+def test_an_answer_that_breaks_off_keeps_what_came_and_one_that_never_came_is_refused() -> None:
+    conversation, out = Conversation(turns=[{"role": "user", "content": "A story"}]), io.StringIO()
+    reply(FakeClient(["Once", " upon"], interrupt_after=1, raises=ChatError("connection reset")), conversation,
+          {"model": "m"}, out)
+    assert out.getvalue() == "Once\n(the answer broke off: connection reset)\n"
+    assert conversation.turns[-1] == {"role": "assistant", "content": "Once"}
+    with pytest.raises(ChatError):
+        reply(FakeClient(["Once"], interrupt_after=0, raises=ChatError("gone")), conversation, {"model": "m"}, out)
+
+
+class DyingServer(http.server.BaseHTTPRequestHandler):
+    """Starts a chunked event stream, sends one chunk, then drops the connection."""
+
+    def do_POST(self) -> None:  # noqa: N802 - the handler's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        event = b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n'
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event) + b"ff\r\npartial")
+        self.wfile.flush()
+        self.connection.shutdown(socket.SHUT_RDWR)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_stream_cut_off_mid_chunk_is_a_chat_error_not_a_traceback() -> None:
+    server = http.server.HTTPServer(("127.0.0.1", 0), DyingServer)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    client = ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", timeout=10)
+    pieces = []
+    with pytest.raises(ChatError, match="broke off"):
+        for piece in client.stream({"model": "m", "messages": []}):
+            pieces.append(piece)
+    assert pieces == ["Hel"]
+    server.server_close()

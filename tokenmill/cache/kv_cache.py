@@ -63,10 +63,11 @@ class PagedKVCache:
         return len(self._live) / self.pool.num_blocks
 
     def occupancy(self) -> dict[str, float | int]:
-        """For the dashboard: blocks live sequences hold, blocks only the prefix cache holds (free to evict), all."""
+        """For the dashboard: blocks live sequences hold, blocks only the prefix cache holds (free to evict), all
+        (read from another thread while the loop runs: a glance, each count of its own moment)."""
         live = len(self._live)
         return {"usage": live / self.pool.num_blocks, "block_size": self.block_size, "blocks_used": live,
-                "blocks_cached": self.pool.num_used - live, "blocks_total": self.pool.num_blocks}
+                "blocks_cached": max(0, self.pool.num_used - live), "blocks_total": self.pool.num_blocks}
 
     def blocks_of(self, seq_id: int) -> int:
         return len(self.tables.get(seq_id, ()))

@@ -153,7 +153,8 @@ async function* events(response) {
 
 async function send(text) {
   const system = $("system").value.trim();
-  history.push({ role: "user", content: text });
+  const turns = history; // this question's conversation, even if New chat starts another meanwhile
+  turns.push({ role: "user", content: text });
   addMessage("user", text);
   const reply = new Reply(addMessage("assistant"));
   inFlight = new AbortController();
@@ -161,7 +162,7 @@ async function send(text) {
   let note = "";
   let failed = false;
   try {
-    const messages = system ? [{ role: "system", content: system }, ...history] : history;
+    const messages = system ? [{ role: "system", content: system }, ...turns] : turns;
     const response = await api("/v1/chat/completions", {
       method: "POST", body: JSON.stringify({ ...requestOptions(), messages }), signal: inFlight.signal,
     });
@@ -181,8 +182,8 @@ async function send(text) {
     setBusy(false);
   }
   reply.done(note);
-  if (failed) history.pop(); // a question that got no answer is not sent again with the next one
-  else history.push(reply.message());
+  if (failed) turns.pop(); // a question that got no answer is not sent again with the next one
+  else turns.push(reply.message());
 }
 
 function setBusy(busy) {

@@ -5,7 +5,8 @@ import { KeyNeeded, api, el, errorText, setUpKeyDialog, whenKeySaved } from "./c
 const $ = (id) => document.getElementById(id);
 const PERIOD_MS = 1000;
 const RATE_WINDOW_S = 5; // the tiles' tokens/s: the mean of the last whole seconds
-let timer = null;
+let timer = null; // the next poll's, when one is due
+let polling = false; // a request is out: one loop at a time, however poll() was called
 
 function seconds(value) {
   if (value === null || value === undefined) return "–";
@@ -90,7 +91,10 @@ function show(stats) {
 }
 
 async function poll() {
+  clearTimeout(timer);
   timer = null;
+  if (polling) return;
+  polling = true;
   try {
     const response = await api("/stats");
     if (!response.ok) throw new Error(await errorText(response));
@@ -101,6 +105,8 @@ async function poll() {
     $("status").textContent = error instanceof KeyNeeded ? "needs an API key" : `unreachable: ${error.message}`;
     $("status").className = "status-bad";
     if (error instanceof KeyNeeded) return; // asked again once a key is saved
+  } finally {
+    polling = false;
   }
   schedule();
 }
