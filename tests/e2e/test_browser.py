@@ -80,6 +80,15 @@ def ask(page: Page, srv: ServerThread, question: str, max_tokens: int = 1500) ->
     page.press("#prompt", "Enter")
 
 
+def messages_sent(page: Page, question: str) -> list[dict]:
+    """Ask a short question on the open page; the conversation its request carried."""
+    page.fill("#max-tokens", "5")
+    page.fill("#prompt", question)
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.press("#prompt", "Enter")
+    return json.loads(sent.value.post_data)["messages"]
+
+
 def reply_text(page: Page) -> str:
     return page.inner_text(".msg.assistant .content")
 
@@ -122,11 +131,7 @@ def test_an_error_shows_and_its_question_is_not_sent_again(page: Page, errors: l
     ask(page, server, "What is two plus two?", max_tokens=10**6)  # beyond the context: the server says 400
     page.wait_for_selector(".msg.assistant .error")
     assert "maximum context length" in page.inner_text(".msg.assistant .error")
-    page.fill("#max-tokens", "5")
-    page.fill("#prompt", "Hello")
-    with page.expect_request("**/v1/chat/completions") as sent:
-        page.press("#prompt", "Enter")
-    assert json.loads(sent.value.post_data)["messages"] == [{"role": "user", "content": "Hello"}]
+    assert messages_sent(page, "Hello") == [{"role": "user", "content": "Hello"}]
     page.wait_for_selector(".msg.assistant:nth-of-type(4) .meta")
     assert errors == []
 
@@ -136,11 +141,7 @@ def test_new_chat_mid_answer_starts_clean(page: Page, errors: list[str], server:
     wait_for(lambda: len(reply_text(page)) > 20)
     page.click("#new-chat")  # aborts the answer streaming now, which must not land in the new conversation
     wait_for(lambda: stats(server)["running"] == 0, seconds=10)
-    page.fill("#max-tokens", "5")
-    page.fill("#prompt", "Hello")
-    with page.expect_request("**/v1/chat/completions") as sent:
-        page.press("#prompt", "Enter")
-    assert json.loads(sent.value.post_data)["messages"] == [{"role": "user", "content": "Hello"}]
+    assert messages_sent(page, "Hello") == [{"role": "user", "content": "Hello"}]
     page.wait_for_selector(".msg.assistant .meta")
     assert errors == []
 
