@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Side by side over HTTP, in interleaved rounds: tokenmill (default), tokenmill --no-quantized-weights,
-# tokenmill without its C++ kernels (TOKENMILL_NO_KERNELS=1), llama-server; one server at a time, 2 threads each.
+# tokenmill --amx-from-rows 0 (no-tiles), tokenmill without its C++ kernels (TOKENMILL_NO_KERNELS=1), llama-server;
+# one server at a time, 2 threads each.
 #   LLAMA_SERVER=path/to/llama-server [SERVERS="tokenmill fp32 llama-server"] \
 #     bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
 # The server `before` is tokenmill from another checkout (BEFORE=its folder; run with PYTHON, default python), for
@@ -25,6 +26,7 @@ start() {
       --port $PORT --threads 2 ;;  # from /: python -m puts the working folder first on the path
     fp32) exec $TM serve "$GGUF" --port $PORT --threads 2 --dtype float32 ;;
     dequantized) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-quantized-weights ;;
+    no-tiles) exec $TM serve "$GGUF" --port $PORT --threads 2 --amx-from-rows 0 ;;
     no-kernels) TOKENMILL_NO_KERNELS=1 exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
     llama-server) exec $LS -m "$GGUF" -t 2 -np 32 -c 65536 --host 127.0.0.1 --port $PORT ;;
     *) echo "unknown server $1" >&2; exit 2 ;;

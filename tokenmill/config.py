@@ -44,12 +44,16 @@ class EngineConfig:
                                            "them to --dtype at load)")
     dense_weights_budget: str = option("auto", "memory that dense copies of the quantized weights may take, for "
                                                "steps of 32 rows or more (prefill, large batches); beyond it (or 0) "
-                                               "every step runs the quantized kernels. auto: 1GiB for bf16 on a CPU "
-                                               "with AMX, else 0 (the kernels are as fast as dense matmuls or faster "
-                                               "at every row count measured)")
+                                               "every step runs the quantized kernels. auto: 0 (the kernels, and AMX "
+                                               "tiles where there are any, are as fast as dense matmuls or faster), "
+                                               "but 1GiB for bf16 on a CPU with AMX when the tiles are off")
     dequantize_from_rows: int = option(0, "without dense copies, steps of this many rows or more (prefill chunks) "
                                           "dequantize each quantized matrix into a transient dense one for the "
                                           "matmul library (0: never; slower than the kernels wherever measured)")
+    amx_from_rows: int | None = option(None, "on a CPU with AMX, a bf16 model's steps of this many rows or more "
+                                             "(prefill, large batches) run the quantized matrices on AMX tiles, "
+                                             "each panel of weights dequantized to bf16 in cache (0: never; default "
+                                             "24, and then no dense copies by default)")
     fused_decode_layers: bool = option(True, "on CPU, decode steps with the weights kept quantized (of fewer than "
                                              "32 rows where dense copies exist) run each decoder layer as one C++ op "
                                              "on fp32 rows, whatever the dtype (off: one op per norm, projection, "

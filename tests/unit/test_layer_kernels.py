@@ -125,16 +125,24 @@ def test_the_fused_decode_layer_equals_the_per_op_layer(tmp_path: Path, qtype: Q
     assert len(runs) == 3  # the decode steps, not the prefills
 
 
-def test_a_bf16_model_decodes_through_the_fused_layer_on_fp32_rows_and_its_bf16_pool(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tiles", [0, 2], ids=["kernel", "tiles"])
+def test_a_bf16_model_decodes_through_the_fused_layer_on_fp32_rows_and_its_bf16_pool(tmp_path: Path,
+                                                                                      tiles: int) -> None:
     """The fused layer widens a bf16 model's residual stream to fp32 and reads and writes its bf16 KV pool: its
     decode steps' hidden states and the keys and values they write stay within bf16's rounding of the fp32 model's
-    (one ulp of the largest hidden state is ~0.008), as close as the per-op bf16 layers' are."""
+    (one ulp of the largest hidden state is ~0.008), as close as the per-op bf16 layers' are; so with its matrices
+    on AMX tiles (steps of 2 rows or more here)."""
+    if tiles and not kernels.has_tiles():
+        pytest.skip("no AMX tiles here")
     path = write_model(tmp_path / "m.gguf", QType.Q4_K, bias=True)
     prompts = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
     exact = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
-    fused = load_model(str(path), dtype="bfloat16", device="cpu")
-    per_op = load_model(str(path), dtype="bfloat16", device="cpu", fused_decode=False)
+    fused = load_model(str(path), dtype="bfloat16", device="cpu", tiles_from_rows=tiles)
+    per_op = load_model(str(path), dtype="bfloat16", device="cpu", fused_decode=False, tiles_from_rows=tiles)
     assert fused.model.model.fused_decode is not None
+    if tiles:  # the tiles' products are not the integer kernel's
+        kernel = load_model(str(path), dtype="bfloat16", device="cpu")
+        assert not torch.equal(decode_steps(kernel, prompts, 1)[0], decode_steps(fused, prompts, 1)[0])
     runs = []
     run_fused = fused.model.model._decode_fused
     fused.model.model._decode_fused = lambda *args: runs.append(1) or run_fused(*args)

@@ -189,6 +189,13 @@ def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int,
         assert torch.allclose(linear(x), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
+def pretend_cpu_flags(flags: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's flags as layers/linear.py reads them: AVX2 and FMA, and these."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu avx2 fma {flags}\n")
+    monkeypatch.setattr(linear, "CPUINFO", str(cpuinfo))
+
+
 @serves_quantized
 @pytest.mark.parametrize(("flags", "dtype", "dense"), [("avx512f avx512_bf16 avx512_vnni", "bfloat16", False),
                                                        ("avx512f amx_bf16 amx_tile", "bfloat16", True),
@@ -196,9 +203,7 @@ def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int,
 def test_by_default_dense_copies_are_made_for_bf16_on_amx_only(flags: str, dtype: str, dense: bool, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Elsewhere the quantized kernel is as fast as the matmul library at every row count measured."""
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu avx2 fma {flags}\n")
-    monkeypatch.setattr(linear, "CPUINFO", str(cpuinfo))
+    pretend_cpu_flags(flags, tmp_path, monkeypatch)
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
     loaded = load_model(str(path), dtype=dtype, device="cpu", prepack=False, dense_budget=None)
     quantized = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
@@ -208,9 +213,7 @@ def test_by_default_dense_copies_are_made_for_bf16_on_amx_only(flags: str, dtype
 @serves_quantized
 def test_on_amx_a_model_over_the_automatic_budget_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f amx_bf16 amx_tile\n")
-    monkeypatch.setattr(linear, "CPUINFO", str(cpuinfo))
+    pretend_cpu_flags("avx512f amx_bf16 amx_tile", tmp_path, monkeypatch)
     monkeypatch.setattr(registry, "AUTO_DENSE_BUDGET", 1 << 20)  # a 1 MiB budget, which the copies exceed
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
     with caplog.at_level(logging.INFO, logger="tokenmill.models.registry"):
@@ -237,6 +240,71 @@ def test_over_the_budget_long_steps_dequantize_each_matrix_for_its_matmul(tmp_pa
     deterministic = load_model(str(path), dtype="float32", device="cpu", dense_budget=0, dequantize_from_rows=64,
                                deterministic=True)
     assert all(m.dequantize_from_rows == 0 for m in deterministic.model.modules() if isinstance(m, QuantizedLinear))
+
+
+needs_tiles = pytest.mark.skipif(not kernels.has_tiles(), reason="no AMX tiles here (Sapphire Rapids and later)")
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, tiles_from_rows: int) -> torch.Tensor:
+    return torch.ops.tokenmill.quantized_linear(x, weight.qweight, weight.scales, weight.mins, weight.sub,
+                                                weight.zero, weight.out_features, tiles_from_rows)
+
+
+@needs_tiles
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("rows", "out"), [(1, 48), (17, 40), (40, 64), (70, 16)])
+def test_the_tiles_compute_the_bf16_product(qtype: QType, rows: int, out: int) -> None:
+    """On AMX tiles the weights and activations are rounded to bf16, as a dense bf16 copy's matmul rounds them,
+    and summed in fp32. Rows: one tile part full, two, several passes over a panel; out: 3 groups of 16 rows (a
+    panel of one), a partial group, a single one."""
+    weight = quantized_weight(random_blocks(qtype, out, 512, seed=rows), qtype)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    tiles = quantized_linear(x, weight, 1)
+    expected = x.bfloat16().double() @ weight.dequantize(torch.bfloat16).double().T
+    assert tiles.shape == (rows, out)
+    assert (tiles.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # and not the integer kernel's product, whose activations are rounded to 8 bits
+    integer = quantized_linear(x, weight, 0).double()
+    assert (integer - expected).abs().max() > 1e-3 * expected.abs().max()
+
+
+@needs_tiles
+def test_steps_of_tiles_from_rows_rows_or_more_take_the_tiles() -> None:
+    weight = quantized_weight(random_blocks(QType.Q4_0, 32, 256), QType.Q4_0)
+    for rows, expected_from in ((23, 0), (24, 1), (30, 1)):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(quantized_linear(x, weight, 24), quantized_linear(x, weight, expected_from))
+
+
+@needs_tiles
+def test_a_bf16_model_on_amx_runs_its_long_steps_on_the_tiles_without_dense_copies(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
+
+    def tiles_and_copies(**options: object) -> set[tuple[int, bool]]:
+        loaded = load_model(str(path), device="cpu", prepack=False, dense_budget=None, **options)  # type: ignore[arg-type]
+        return {(m.tiles_from_rows, m.dense is not None) for m in loaded.model.modules()
+                if isinstance(m, QuantizedLinear)}
+
+    assert tiles_and_copies(dtype="bfloat16", tiles_from_rows=None) == {(registry.AUTO_TILES_FROM_ROWS, False)}
+    assert tiles_and_copies(dtype="bfloat16", tiles_from_rows=40) == {(40, False)}
+    assert tiles_and_copies(dtype="bfloat16", tiles_from_rows=0) == {(0, True)}  # off: the dense copies, as before
+    assert tiles_and_copies(dtype="float32", tiles_from_rows=None) == {(0, False)}  # fp32 keeps fp32 products
+    assert tiles_and_copies(dtype="bfloat16", tiles_from_rows=None, deterministic=True) == {(0, False)}
+
+
+@serves_quantized
+def test_without_tiles_a_bf16_model_says_why_and_keeps_the_other_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A CPU with AMX flags whose build or OS gives no tiles: the dense copies of before, and one log line."""
+    pretend_cpu_flags("avx512f amx_bf16 amx_tile", tmp_path, monkeypatch)
+    monkeypatch.setattr(kernels, "has_tiles", lambda: False)
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
+    with caplog.at_level(logging.INFO, logger="tokenmill.models.registry"):
+        loaded = load_model(str(path), dtype="bfloat16", device="cpu", prepack=False, dense_budget=None,
+                            tiles_from_rows=24)
+    quantized = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and all(m.tiles_from_rows == 0 and m.dense is not None for m in quantized)
+    assert "AMX tiles unused: this CPU or build has none" in caplog.text
 
 
 @needs_kernels

@@ -72,7 +72,7 @@ class Engine:
             self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len, prepack=c.prepack_weights,
                                      quantized=c.quantized_weights, dense_budget=budget,
                                      dequantize_from_rows=c.dequantize_from_rows, fused_decode=c.fused_decode_layers,
-                                     deterministic=c.deterministic)
+                                     deterministic=c.deterministic, tiles_from_rows=c.amx_from_rows)
         loaded = self.loaded
         if loaded.deterministic != c.deterministic:
             raise ConfigError(f"deterministic={c.deterministic} but the model was loaded with "

@@ -19,7 +19,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("quant.cpp", "norm.cpp", "attention.cpp", "rope.cpp", "layer.cpp")
+SOURCES = ("quant.cpp", "tiles.cpp", "norm.cpp", "attention.cpp", "rope.cpp", "layer.cpp")
 HEADERS = ("cpu.h",)  # in the build key, not compiled on their own
 DISABLE_ENV = "TOKENMILL_NO_KERNELS"  # set to 1: never build or load them (the fallback, for A/B and tests)
 
@@ -37,6 +37,12 @@ def has_vector_kernels() -> bool:
     than oneDNN's dense matmuls."""
     flags = _cpu_flags().split()
     return "avx2" in flags and "fma" in flags
+
+
+def has_tiles() -> bool:
+    """Whether the kernels run here with AMX tiles (kernels/tiles.cpp): built for a CPU that has them, and granted
+    their state by the OS."""
+    return load() and bool(torch.ops.tokenmill.tiles_available())
 
 
 @functools.cache

@@ -145,8 +145,14 @@ struct QuantizedMatrix {
 QuantizedMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales,
                                  const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero,
                                  int64_t out_features);
-// out[rows, w.out] = x[rows, w.in] @ dequantize(w).T
-void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out);
+// out[rows, w.out] = x[rows, w.in] @ dequantize(w).T: steps of tiles_from_rows rows or more (0: none) on AMX tiles
+// in bf16 where there are any (tile_matmul), the others by the integer kernel.
+void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out, int64_t tiles_from_rows = 0);
+
+// tiles.cpp: whether this build and process can run AMX tiles (the CPU has them, the kernel grants their state);
+// the matmul above on them, weights and activations rounded to bf16, fp32 sums.
+bool tiles_available();
+void tile_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out);
 
 // norm.cpp: out = rms_norm(x) * weight per row; with residual, x += residual first and the sum is normed.
 void rms_norm_rows(float* x, const float* residual, const float* weight, float* out, int64_t rows, int64_t dim,

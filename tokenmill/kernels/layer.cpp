@@ -49,12 +49,14 @@ void attend(const float* qkv, const float* cos, const float* sin, const int64_t*
 // x: the residual stream [n, hidden], updated in place (+ pending, + attention output); pending: the previous
 // layer's MLP output not yet added, or empty in the first layer. weights: input norm; qkv qweight, scales, shift,
 // bias; o qweight, scales, shift; post-attention norm; gate_up qweight, scales, shift; down qweight, scales, shift
-// (an empty shift or bias: none). layouts: the four matrices' weights per scale, then their zero points. Returns
-// this layer's MLP output.
+// (an empty shift or bias: none). layouts: the four matrices' weights per scale, then their zero points.
+// tiles_from_rows: steps of this many rows or more multiply on AMX tiles (quant.cpp; 0: never). Returns this layer's
+// MLP output.
 at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights,
                         at::IntArrayRef layouts, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
-                        const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale) {
+                        const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale,
+                        int64_t tiles_from_rows) {
   TORCH_CHECK(weights.size() == 15 && layouts.size() == 8, "15 weight tensors, 4 subs and 4 zero points");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t n = x.size(0), hidden = x.size(1);
@@ -101,7 +103,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   at::Tensor out = at::empty({n, hidden}, x.options());
 
   tokenmill::rms_norm_rows(xs, pend, norm1, h.data(), n, hidden, static_cast<float>(eps));
-  tokenmill::quantized_matmul(h.data(), n, qkv_w, qkv.data());
+  tokenmill::quantized_matmul(h.data(), n, qkv_w, qkv.data(), tiles_from_rows);
   if (bias)
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < qkv_w.out; ++j) qkv[t * qkv_w.out + j] += bias[j];
@@ -117,11 +119,11 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
     case at::kHalf: run(at::Half{}); break;
     default: TORCH_CHECK(false, "the KV pool must be fp32, bf16 or fp16, not ", k_cache.scalar_type());
   }
-  tokenmill::quantized_matmul(attn.data(), n, o_w, o.data());
+  tokenmill::quantized_matmul(attn.data(), n, o_w, o.data(), tiles_from_rows);
   tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, static_cast<float>(eps));
-  tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data());
+  tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data(), tiles_from_rows);
   tokenmill::silu_mul_rows(gate_up.data(), act.data(), n, inter);
-  tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>());
+  tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>(), tiles_from_rows);
   return out;
 }
 
@@ -130,7 +132,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layer(Tensor(a!) x, Tensor pending, Tensor[] weights, int[] layouts, Tensor cos, Tensor sin, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, "
-        "int kv_heads, float eps, float scale) -> Tensor");
+        "int kv_heads, float eps, float scale, int tiles_from_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layer", &decode_layer); }

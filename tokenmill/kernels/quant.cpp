@@ -285,13 +285,14 @@ void matmul(const QuantizedRows& x, int64_t rows, const QuantizedMatrix& w, floa
 
 // w = scale * (q - zero) + shift per `sub` weights, in the interleaved layout above; out_features: the matrix's rows.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                            const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero, int64_t out_features) {
+                            const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero, int64_t out_features,
+                            int64_t tiles_from_rows) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   const QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, out_features);
   TORCH_CHECK(x.size(1) == w.in, "x has ", x.size(1), " features, the weight ", w.in);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
-  tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>());
+  tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>(), tiles_from_rows);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -374,7 +375,12 @@ QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at:
           scales.scalar_type() == at::kHalf, zero, sub, in, out_features};
 }
 
-void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out) {
+void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out,
+                                 int64_t tiles_from_rows) {
+  if (tiles_from_rows > 0 && rows >= tiles_from_rows && tiles_available()) {
+    tile_matmul(x, rows, w, out);
+    return;
+  }
   const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub);
   if (w.u4) {
     w.half_scales ? matmul<true, 32, at::Half>(xq, rows, w, out) : matmul<true, 32, float>(xq, rows, w, out);
@@ -387,7 +393,8 @@ void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMa
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, "
-        "int out_features) -> Tensor");
+        "int out_features, int tiles_from_rows=0) -> Tensor");
+  m.def("tiles_available() -> bool", &tokenmill::tiles_available);
   m.def("dequantize(Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, int out_features, "
         "ScalarType dtype) -> Tensor");
 }

@@ -119,6 +119,9 @@ class QuantizedLinear(nn.Module):
         # dequantizing + bf16 matmul: 128 rows 9.7 vs 41 ms, 512 rows 42 vs 87, 1024 rows 95 vs 126 (fp32: 38 vs
         # 183 at 512). Off by default; it may pay where AMX runs the matmul (unmeasured).
         self.dequantize_from_rows = 0
+        # Steps of this many rows or more run on AMX tiles in bf16 (kernels/tiles.cpp; 0: never): models/registry.py
+        # sets it for a bf16 model on a CPU with AMX.
+        self.tiles_from_rows = 0
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight dequantized in one C++ pass (the same values as QuantizedWeight.dequantize)."""
@@ -132,7 +135,8 @@ class QuantizedLinear(nn.Module):
         w = self.weight
         if self.dequantize_from_rows and x.shape[0] >= self.dequantize_from_rows:
             return F.linear(x, self.dense_weight(x.dtype), self.bias)
-        out = torch.ops.tokenmill.quantized_linear(x, w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features)
+        out = torch.ops.tokenmill.quantized_linear(x, w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features,
+                                                   self.tiles_from_rows)
         return out if self.bias is None else out + self.bias
 
 

@@ -189,11 +189,12 @@ class LlamaModel(nn.Module):
         attn, eps = first.self_attn, first.input_layernorm.eps
         cos, sin = rope
         tables = meta.decode_tables.view(meta.num_decodes, -1)
+        tiles_from_rows = cast(QuantizedLinear, attn.qkv_proj).tiles_from_rows  # registry.py sets every layer's alike
         pending = torch.empty(0)
         for i, (weights, layouts) in enumerate(cast(list, self.fused_decode)):
             pending = torch.ops.tokenmill.decode_layer(
                 x, pending, weights, layouts, cos, sin, meta.k_cache[i], meta.v_cache[i], meta.slot_mapping, tables,
-                meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale)
+                meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale, tiles_from_rows)
         return pending
 
 

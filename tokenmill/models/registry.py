@@ -21,11 +21,17 @@ from tokenmill.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-# The dense copies' budget by default, where they pay: bf16 on a CPU with AMX, whose tile matmuls oneDNN runs
-# (unmeasured against the interleaved quantized kernel: no AMX machine in that sitting). Elsewhere none: on a 2-core
+# The dense copies' budget by default, for bf16 on a CPU with AMX whose tiles are not run by our kernel
+# (--amx-from-rows 0), where oneDNN's tile matmuls on the copies beat the integer kernel. Elsewhere none: on a 2-core
 # Zen 4 the kernel was as fast as oneDNN's bf16 matmuls or faster from 16 to 1024 rows (SmolLM2's and a 1.1B
 # model's matrices; 1.6-3x faster than fp32 ones), and dense copies take 2-4x the quantized weights' memory.
 AUTO_DENSE_BUDGET = 1 << 30
+
+# From this many rows a bf16 model's steps run its quantized matrices on AMX tiles by default (kernels/tiles.cpp),
+# and then no dense copies are made by default. Measured on a 1.1B model's 11264 x 2048 gate|up, 2-core Sapphire
+# Rapids, the tiles against the interleaved kernel: Q4_0 16 rows 1.51 vs 1.32 ms, 24 rows 2.23 vs 2.66, 32 rows 2.0
+# vs 2.7, 512 rows 26 vs 51 (oneDNN's bf16 matmul on a dense copy 24); Q6_K 16 rows 2.55 vs 2.32, 32 rows 2.2 vs 4.4.
+AUTO_TILES_FROM_ROWS = 24
 
 
 class CausalLM(Protocol):
@@ -52,13 +58,15 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                 dtype: torch.dtype, device: torch.device, max_positions: int, prepack: bool = True,
                 dense_budget: int | None = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
-                deterministic: bool = False) -> CausalLM:
+                deterministic: bool = False, tiles_from_rows: int | None = 0) -> CausalLM:
     """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py).
     dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none; None:
     AUTO_DENSE_BUDGET for bf16 on an AMX CPU, else none);
     dequantize_from_rows: without them, steps of this many rows or more dequantize each matrix for its matmul.
     fused_decode: decode steps run each layer as one C++ op where the weights are kept quantized (CPU).
-    deterministic: each row's result depends on that row alone, whatever the batch (see check_deterministic)."""
+    deterministic: each row's result depends on that row alone, whatever the batch (see check_deterministic).
+    tiles_from_rows: a bf16 model's steps of this many rows or more run its quantized matrices on AMX tiles where the
+    CPU has them (0: never; None: AUTO_TILES_FROM_ROWS)."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ModelFormatError(f"no model for architecture {config.architecture!r}")
@@ -74,7 +82,8 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
         log.info("deterministic: every step runs the quantized kernels (no dense copies); dense matmuls on fixed "
                  "row tiles; one attention kernel for prefill and decode")
     else:
-        _add_dense_copies(model, dtype, dense_budget, dequantize_from_rows)
+        tiles = _use_tiles(model, dtype, tiles_from_rows)
+        _add_dense_copies(model, dtype, dense_budget, dequantize_from_rows, tiles)
     if prepack and can_prepack(device, dtype):
         model.prepack_weights()  # the dense copies too: they are Linears like the rest
     if deterministic:
@@ -99,15 +108,40 @@ def check_deterministic(device: torch.device) -> None:
                           "why): torch's own attention and matmuls are not batch-invariant")
 
 
-def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int | None, dequantize_from_rows: int) -> None:
+def _use_tiles(model: nn.Module, dtype: torch.dtype, tiles_from_rows: int | None) -> bool:
+    """Run steps of tiles_from_rows rows or more on AMX tiles, where they can; whether they do."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if not quantized or tiles_from_rows == 0:
+        return False
+    why = None
+    if dtype != torch.bfloat16:
+        why = f"they multiply in bf16 and the model runs in {str(dtype).removeprefix('torch.')}"
+    elif not kernels.has_tiles():
+        why = "this CPU or build has none"
+    if why:
+        if tiles_from_rows is not None:  # asked for: say why not
+            log.info("AMX tiles unused: %s", why)
+        return False
+    rows = tiles_from_rows or AUTO_TILES_FROM_ROWS
+    for module in quantized:
+        module.tiles_from_rows = rows
+    log.info("steps of %d rows or more run the quantized matrices on AMX tiles (bf16)", rows)
+    return True
+
+
+def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int | None, dequantize_from_rows: int,
+                      tiles: bool) -> None:
+    """tiles: whether AMX tiles run the many-row steps (then no copies unless a budget is given)."""
     quantized = {id(m): m for m in model.modules() if isinstance(m, QuantizedLinear)}.values()
     if not quantized:
         return
     needed = sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
     auto = budget is None
     if budget is None:
-        budget = AUTO_DENSE_BUDGET if dtype == torch.bfloat16 and cpu_has_amx() else 0
-    if auto and budget == 0:
+        budget = AUTO_DENSE_BUDGET if dtype == torch.bfloat16 and cpu_has_amx() and not tiles else 0
+    if auto and tiles:
+        why = "AMX tiles run the many-row steps (--dense-weights-budget sets them)"
+    elif auto and budget == 0:
         why = "they pay for bf16 on a CPU with AMX only (--dense-weights-budget sets them)"
     else:
         why = f"they would take {needed >> 20} MiB, over the budget of {budget >> 20} MiB (--dense-weights-budget)"
