@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import sys
 import threading
@@ -145,6 +146,9 @@ def repl(client: ChatClient, options: dict[str, Any], system: str | None, out: T
         import readline  # noqa: F401 - line editing and history for input(), where the platform has it
     except ImportError:
         pass
+    # Ctrl-C stops a reply even where this process started with SIGINT ignored (the child of a background job, which
+    # Python would leave ignored): the chat is interactive whoever started it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     conversation = Conversation(system)
     print(f"Chatting with {options['model']}. /help for commands, Ctrl-D or /bye to leave.", file=out)
     while True:

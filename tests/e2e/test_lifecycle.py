@@ -106,12 +106,12 @@ async def _enumerate(lines):
         i += 1
 
 
-SOAK_SECONDS = float(os.environ.get("TOKENMILL_SOAK_SECONDS", "40"))
+SOAK_SECONDS = float(os.environ.get("TOKENMILL_SOAK_SECONDS", "20"))
 
 
 @pytest.mark.timeout(180 + 2 * SOAK_SECONDS)
 def test_soak_mixed_traffic_with_disconnects(tiny4k_gguf: Path) -> None:
-    """TOKENMILL_SOAK_SECONDS (default 40) of traffic; memory is measured after a first warm-up round of the same
+    """TOKENMILL_SOAK_SECONDS (default 20) of traffic; memory is measured after a first warm-up round of the same
     traffic, so allocator and cache warm-up are not counted as growth."""
     seconds = SOAK_SECONDS
     with ServerProcess(tiny4k_gguf, "--max-num-seqs", "8") as srv:
