@@ -16,6 +16,7 @@ from helpers import our_logits, write_tiny_gguf
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.errors import ConfigError
 from tokenmill.layers import linear
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
 from tokenmill.loader import load_model
@@ -290,6 +291,8 @@ def test_a_bf16_model_on_amx_runs_its_long_steps_on_the_tiles_without_dense_copi
     assert tiles_and_copies(dtype="bfloat16", tiles_from_rows=0) == {(0, True)}  # off: the dense copies, as before
     assert tiles_and_copies(dtype="float32", tiles_from_rows=None) == {(0, False)}  # fp32 keeps fp32 products
     assert tiles_and_copies(dtype="bfloat16", tiles_from_rows=None, deterministic=True) == {(0, False)}
+    with pytest.raises(ConfigError, match="--amx-from-rows -1"):
+        tiles_and_copies(dtype="bfloat16", tiles_from_rows=-1)
 
 
 @serves_quantized

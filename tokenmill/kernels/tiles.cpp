@@ -210,15 +210,15 @@ void tile_matmul_typed(const float* x, int64_t rows, const tokenmill::QuantizedM
     panel.resize(blocks * 2 * kTileBytes / 2);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t g0 = 2 * p, n = std::min<int64_t>(2, groups - g0);
+      const auto dequantized = [&](int64_t b) { return panel.data() + b * n * kTileBytes / 2; };  // block b's n tiles
       const auto dequantize = [&](int64_t b) {
         PairWriter put;
         for (int64_t j = 0; j < n; ++j) {
-          put.tile = panel.data() + (b * n + j) * kTileBytes / 2;
+          put.tile = dequantized(b) + j * kTileBytes / 2;
           dequantize_block<U4, SUB, S>(w, g0 + j, b, put);
         }
-        return panel.data() + b * n * kTileBytes / 2;
+        return dequantized(b);
       };
-      const auto dequantized = [&](int64_t b) { return panel.data() + b * n * kTileBytes / 2; };
       if (!one_pass)
         for (int64_t b = 0; b < blocks; ++b) dequantize(b);
       if (n == 2) {

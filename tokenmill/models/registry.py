@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from tokenmill import kernels
 from tokenmill.errors import ConfigError, ModelFormatError
@@ -82,8 +81,9 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
         log.info("deterministic: every step runs the quantized kernels (no dense copies); dense matmuls on fixed "
                  "row tiles; one attention kernel for prefill and decode")
     else:
-        tiles = _use_tiles(model, dtype, tiles_from_rows)
-        _add_dense_copies(model, dtype, dense_budget, dequantize_from_rows, tiles)
+        quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        tiles = _use_tiles(quantized, dtype, tiles_from_rows)
+        _add_dense_copies(quantized, dtype, dense_budget, dequantize_from_rows, tiles)
     if prepack and can_prepack(device, dtype):
         model.prepack_weights()  # the dense copies too: they are Linears like the rest
     if deterministic:
@@ -108,9 +108,10 @@ def check_deterministic(device: torch.device) -> None:
                           "why): torch's own attention and matmuls are not batch-invariant")
 
 
-def _use_tiles(model: nn.Module, dtype: torch.dtype, tiles_from_rows: int | None) -> bool:
+def _use_tiles(quantized: list[QuantizedLinear], dtype: torch.dtype, tiles_from_rows: int | None) -> bool:
     """Run steps of tiles_from_rows rows or more on AMX tiles, where they can; whether they do."""
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if tiles_from_rows is not None and tiles_from_rows < 0:
+        raise ConfigError(f"--amx-from-rows {tiles_from_rows}: a row count, or 0 for never")
     if not quantized or tiles_from_rows == 0:
         return False
     why = None
@@ -129,10 +130,9 @@ def _use_tiles(model: nn.Module, dtype: torch.dtype, tiles_from_rows: int | None
     return True
 
 
-def _add_dense_copies(model: nn.Module, dtype: torch.dtype, budget: int | None, dequantize_from_rows: int,
-                      tiles: bool) -> None:
+def _add_dense_copies(quantized: list[QuantizedLinear], dtype: torch.dtype, budget: int | None,
+                      dequantize_from_rows: int, tiles: bool) -> None:
     """tiles: whether AMX tiles run the many-row steps (then no copies unless a budget is given)."""
-    quantized = {id(m): m for m in model.modules() if isinstance(m, QuantizedLinear)}.values()
     if not quantized:
         return
     needed = sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
