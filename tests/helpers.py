@@ -28,6 +28,7 @@ from tokenmill.api.server import TokenmillServer
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.engine import Engine
+from tokenmill.engine.request import SequenceOutput
 from tokenmill.layers.attention import SequenceSlice
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
@@ -255,6 +256,26 @@ def assert_no_live_blocks(engine: Engine) -> None:
     assert kv.usage() == 0 and kv.num_sequences == 0
     cached = kv.prefix_cache.num_blocks if kv.prefix_cache is not None else 0
     assert kv.pool.num_free + cached == kv.pool.num_blocks
+
+
+def add_and_abort(engine: Engine, prompts: list[list[int]], params: SamplingParams, count: int = 200,
+                  spread_s: float = 0.04) -> None:
+    """Add count sequences (the prompts in turn) and abort each at once or after up to spread_s; wait until
+    every one has finished."""
+    done = threading.Semaphore(0)
+
+    def sink(out: SequenceOutput) -> None:
+        if out.finish_reason is not None:
+            done.release()
+
+    for i in range(count):
+        seq_id = engine.add(prompts[i % len(prompts)], params, sink)
+        if i % 3:
+            threading.Timer(spread_s * (i % 40) / 40, engine.abort, (seq_id,)).start()
+        else:
+            engine.abort(seq_id)
+    for _ in range(count):
+        assert done.acquire(timeout=120)
 
 
 def start_engine(loaded: LoadedModel, **config) -> Engine:

@@ -61,7 +61,11 @@ class EngineConfig:
     speculative: str | None = option(None, "speculative decoding: ngram (prompt lookup: the tokens that followed "
                                            "the latest earlier occurrence of the sequence's last n-gram are proposed "
                                            "and checked in the next step, lossless) or suffix (the same, then "
-                                           "earlier requests' prompts and outputs); default off")
+                                           "earlier requests' prompts and outputs) or draft (a smaller model of the "
+                                           "same vocabulary guesses, --draft-model); default off")
+    draft_model: str | None = option(None, "--speculative draft: the draft model (a .gguf file, a Hugging Face "
+                                           "folder or an alias) of the model's vocabulary, loaded with the model's "
+                                           "dtype and weight options")
     num_speculative_tokens: int = option(4, "tokens proposed per sequence and step")
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix n-gram looked up")
     prompt_lookup_max: int = option(5, "ngram: the longest suffix n-gram looked up (the longest found wins)")

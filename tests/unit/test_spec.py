@@ -14,10 +14,10 @@ def make(seq_id: int) -> Sequence:
 
 def test_ngram_lookup_takes_the_longest_latest_match() -> None:
     proposer = NgramProposer(2, 3)
-    assert proposer.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 2, 3], 2) == [7, 7]  # "2 3": the latest occurrence
-    assert proposer.propose([1, 2, 3, 5, 2, 3, 6, 1, 2, 3], 3) == [5, 2, 3]  # "1 2 3" beats the later "2 3"
-    assert proposer.propose([1, 2, 3, 4], 2) == [] and proposer.propose([5, 5], 4) == []
-    assert proposer.propose([4, 4, 4], 4) == [4]  # the suffix itself is not a match; what follows is cut at the end
+    assert proposer.lookup([1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 2, 3], 2) == [7, 7]  # "2 3": the latest occurrence
+    assert proposer.lookup([1, 2, 3, 5, 2, 3, 6, 1, 2, 3], 3) == [5, 2, 3]  # "1 2 3" beats the later "2 3"
+    assert proposer.lookup([1, 2, 3, 4], 2) == [] and proposer.lookup([5, 5], 4) == []
+    assert proposer.lookup([4, 4, 4], 4) == [4]  # the suffix itself is not a match; what follows is cut at the end
 
 
 def test_proposals_that_keep_failing_pause_longer_and_longer_and_good_ones_never() -> None:
@@ -43,12 +43,12 @@ def test_proposals_that_keep_failing_pause_longer_and_longer_and_good_ones_never
 
 def test_the_suffix_cache_proposes_what_followed_in_earlier_requests() -> None:
     proposer = SuffixCacheProposer(2, 3, capacity=100)
-    assert proposer.propose([7, 8, 9], 2) == []
+    assert proposer.lookup([7, 8, 9], 2) == []
     proposer.learn([1, 2, 3, 4, 5, 6])
-    assert proposer.propose([9, 2, 3], 2) == [4, 5]  # "2 3" last led to 4 5
-    assert proposer.propose([9, 1, 2, 3], 4) == [4, 5, 6]  # the longest match, cut at the end of what was learned
+    assert proposer.lookup([9, 2, 3], 2) == [4, 5]  # "2 3" last led to 4 5
+    assert proposer.lookup([9, 1, 2, 3], 4) == [4, 5, 6]  # the longest match, cut at the end of what was learned
     proposer.learn([0, 2, 3, 7])
-    assert proposer.propose([2, 3], 2) == [7]  # the latest request wins
-    assert proposer.propose([2, 3, 9, 2, 3], 2) == [9, 2]  # the sequence's own tokens come first
+    assert proposer.lookup([2, 3], 2) == [7]  # the latest request wins
+    assert proposer.lookup([2, 3, 9, 2, 3], 2) == [9, 2]  # the sequence's own tokens come first
     proposer.learn(list(range(100, 200)))  # 2 x 98 n-grams: the earliest are evicted
-    assert len(proposer.index) == 100 and proposer.propose([1, 2, 3], 2) == []
+    assert len(proposer.index) == 100 and proposer.lookup([1, 2, 3], 2) == []

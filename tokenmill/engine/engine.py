@@ -17,10 +17,11 @@ from collections.abc import Callable
 import torch
 
 from tokenmill import __version__
-from tokenmill.cache.kv_cache import KVSpec
+from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.cache.sizing import build_kv_cache, parse_size
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.draft import DraftModelProposer
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogprob
 from tokenmill.engine.runner import ModelRunner
@@ -68,11 +69,7 @@ class Engine:
         if self.loaded is None:
             if c.threads:
                 torch.set_num_threads(c.threads)
-            budget = None if c.dense_weights_budget == "auto" else parse_size(c.dense_weights_budget)
-            self.loaded = load_model(c.model, c.dtype, c.device, c.max_model_len, prepack=c.prepack_weights,
-                                     quantized=c.quantized_weights, dense_budget=budget,
-                                     dequantize_from_rows=c.dequantize_from_rows, fused_decode=c.fused_decode_layers,
-                                     deterministic=c.deterministic, tiles_from_rows=c.amx_from_rows)
+            self.loaded = self._load(c.model, c.max_model_len)
         loaded = self.loaded
         if loaded.deterministic != c.deterministic:
             raise ConfigError(f"deterministic={c.deterministic} but the model was loaded with "
@@ -95,20 +92,52 @@ class Engine:
         self.proposer = self._proposer()
         self.gate = AcceptanceGate()
 
+    def _load(self, model: str, max_model_len: int | None) -> LoadedModel:
+        c = self.config
+        budget = None if c.dense_weights_budget == "auto" else parse_size(c.dense_weights_budget)
+        return load_model(model, c.dtype, c.device, max_model_len, prepack=c.prepack_weights,
+                          quantized=c.quantized_weights, dense_budget=budget,
+                          dequantize_from_rows=c.dequantize_from_rows, fused_decode=c.fused_decode_layers,
+                          deterministic=c.deterministic, tiles_from_rows=c.amx_from_rows)
+
     def _proposer(self) -> Proposer | None:
         c = self.config
+        if c.draft_model is not None and c.speculative != "draft":
+            raise ConfigError("--draft-model is read with --speculative draft only")
         if c.speculative is None:
             return None
-        if c.speculative not in ("ngram", "suffix"):
-            raise ConfigError(f"--speculative {c.speculative}: tokenmill has ngram and suffix (draft: not yet)")
+        if c.speculative not in ("ngram", "suffix", "draft"):
+            raise ConfigError(f"--speculative {c.speculative}: choose ngram, suffix or draft")
         if c.num_speculative_tokens < 1:
             raise ConfigError(f"--num-speculative-tokens {c.num_speculative_tokens}: at least 1")
+        if c.speculative == "draft":
+            return self._draft_proposer()
         try:
             if c.speculative == "suffix":
                 return SuffixCacheProposer(c.prompt_lookup_min, c.prompt_lookup_max)
             return NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
         except ValueError as exc:
             raise ConfigError(f"--prompt-lookup-min/max: {exc}") from exc
+
+    def _draft_proposer(self) -> DraftModelProposer:
+        """The draft model, of the target's vocabulary and context, and its own KV pool: as many tokens as the
+        target's, at most speculative_max_seqs whole contexts (sequences not speculating give theirs up when
+        short), each with room for its guesses."""
+        c = self.config
+        if c.draft_model is None:
+            raise ConfigError("--speculative draft needs --draft-model (a smaller model of the same vocabulary)")
+        draft = self._load(c.draft_model, self.max_model_len)
+        if not draft.tokenizer.same_vocabulary(self.tokenizer):
+            raise ConfigError(f"--draft-model {c.draft_model}: its vocabulary is not the model's (a draft's tokens "
+                              "must mean what the model's do)")
+        mc = draft.config
+        spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, draft.dtype)
+        tokens = min(self.kv_cache.capacity_tokens, c.speculative_max_seqs * self.max_model_len)
+        num_blocks = -(-tokens // c.block_size) + c.speculative_max_seqs * -(-c.num_speculative_tokens // c.block_size)
+        cache = PagedKVCache(spec, draft.device, num_blocks, c.block_size)
+        log.info("draft model %s: its KV pool %.2f GiB for %d tokens", draft.path.name,
+                 num_blocks * c.block_size * spec.bytes_per_token / 2**30, num_blocks * c.block_size)
+        return DraftModelProposer(draft, cache, self.tokenizer.vocab_size)
 
     def _context_that_fits(self, context: int, kv_tokens: int) -> int:
         """The context served: the model's, or less when the KV memory cannot hold one whole context (otherwise a
@@ -297,11 +326,19 @@ class Engine:
         going = len([s for s in running if s.decoding]) <= c.speculative_max_seqs
         for seq in running + list(self.scheduler.waiting):
             seq.draft = []
-        for seq in decoding if going else []:
-            if not self.gate.allows(seq):
-                continue
-            room = min(seq.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens)
-            seq.draft = self.proposer.propose(seq.tokens(0, seq.num_tokens), min(c.num_speculative_tokens, room))
+        asking = [seq for seq in (decoding if going else []) if self.gate.allows(seq)]
+        ks = [min(c.num_speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1,
+                  self.max_model_len - seq.num_tokens) for seq in asking]
+        try:
+            drafts = self.proposer.propose(asking, ks)
+        except Exception:
+            # Proposals only ever save time: a proposer that fails (a draft model's error) is let go, and every
+            # sequence goes on without them.
+            log.error("speculative proposals failed, speculation is off from now on:\n%s", traceback.format_exc())
+            self.proposer = None
+            return
+        for seq, draft in zip(asking, drafts, strict=True):
+            seq.draft = draft
 
     def _emit(self, seqs: list[Sequence], logprobs: list[list[TokenLogprob | None]]) -> None:
         """Turn the step's new tokens into outputs: text, stop strings (which finish a sequence), timings."""
@@ -363,8 +400,8 @@ class Engine:
         seq.num_sent_tokens, seq.pending_logprobs = len(seq.output_ids), []
         if final:
             self._seqs.pop(seq.seq_id, None)
-            if self.proposer is not None and error is None and seq.pooling is None:
-                self.proposer.learn(seq.tokens(0, seq.num_tokens))
+            if self.proposer is not None:
+                self.proposer.finish(seq)
             with self._unfinished_lock:
                 self._unfinished -= 1
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))

@@ -8,6 +8,7 @@ one stream gains several tokens a step.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,16 +53,35 @@ class AcceptanceGate:
 
 
 class Proposer(Protocol):
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens guessed to follow a sequence's tokens."""
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] tokens guessed to follow seqs[i]'s tokens (all at once: a draft model batches them)."""
         ...
 
+    def finish(self, seq: Sequence) -> None:
+        """seq has finished: what it holds is let go, what it taught is kept for later sequences."""
+        ...
+
+
+class LookupProposer(ABC):
+    """A proposer that looks each sequence's tokens up, one sequence at a time, in what it has seen."""
+
+    @abstractmethod
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens guessed to follow tokens."""
+
+    @abstractmethod
     def learn(self, tokens: list[int]) -> None:
         """A finished sequence's prompt and output, for the proposals of later ones."""
-        ...
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [self.lookup(seq.tokens(0, seq.num_tokens), k) for seq, k in zip(seqs, ks, strict=True)]
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.finish_reason != "error" and seq.pooling is None:
+            self.learn(seq.tokens(0, seq.num_tokens))
 
 
-class NgramProposer:
+class NgramProposer(LookupProposer):
     """Prompt lookup: the longest suffix n-gram of the sequence (max_n tokens down to min_n) found earlier in it
     proposes the tokens that followed its latest earlier occurrence."""
 
@@ -73,7 +93,7 @@ class NgramProposer:
     def learn(self, tokens: list[int]) -> None:
         """Nothing: each sequence looks in its own tokens only."""
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) < self.min_n + 1:
             return []
         ids = np.asarray(tokens)
@@ -87,7 +107,7 @@ class NgramProposer:
         return []
 
 
-class SuffixCacheProposer:
+class SuffixCacheProposer(LookupProposer):
     """Prompt lookup first; where the sequence's own tokens propose nothing, earlier requests' prompts and outputs
     do: every n-gram of theirs (min_n to max_n tokens) maps to what followed it, the latest sequence's winning, up to
     `capacity` n-grams (the least recently used go first). A repeated agent or extraction call is proposed the
@@ -99,8 +119,8 @@ class SuffixCacheProposer:
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
         self.index: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        draft = self.own.propose(tokens, k)
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        draft = self.own.lookup(tokens, k)
         if draft or k <= 0:
             return draft
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):

@@ -174,6 +174,10 @@ class Tokenizer:
         """The ids of those texts that are special tokens of this vocabulary."""
         return [self._special_ids[text] for text in texts if text in self._special_ids]
 
+    def same_vocabulary(self, other: Tokenizer) -> bool:
+        """Every token has the same id in both (a draft model's guesses mean what they say)."""
+        return self._tok.get_vocab(with_added_tokens=True) == other._tok.get_vocab(with_added_tokens=True)
+
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what other libraries, such as the grammar backend, load)."""
         return self._tok.to_str()
