@@ -16,6 +16,10 @@ from tokenmill.engine.request import Sequence
 from tokenmill.layers.attention import SequenceSlice
 from tokenmill.loader import LoadedModel
 
+# Feeds of up to this many tokens (the usual catch-up: the last guess kept and the model's token after it) run as
+# decode rows, through the fused decode layer; longer ones (a prompt) as a prefill.
+DECODE_ROWS = 8
+
 
 class DraftModelProposer:
     def __init__(self, draft: LoadedModel, kv_cache: PagedKVCache, vocab_size: int) -> None:
@@ -44,7 +48,7 @@ class DraftModelProposer:
                 feeds.append((i, tokens[start:], start, k))
         for step in range(max((k for *_, k in feeds), default=0)):
             feeds = [f for f in feeds if f[3] > step]
-            feeds.sort(key=lambda f: len(f[1]) > 1)  # the paged metadata wants one-token rows first
+            feeds.sort(key=lambda f: len(f[1]) > DECODE_ROWS)  # the paged metadata wants decode rows first
             guesses = self._step([(seqs[i].seq_id, fed, start) for i, fed, start, _ in feeds])
             running = []
             for (i, fed, start, k), guess in zip(feeds, guesses, strict=True):
@@ -59,7 +63,8 @@ class DraftModelProposer:
         """One forward of the draft over each (seq id, tokens, first position): the greedy next token of each."""
         ids = [t for _, fed, _ in feeds for t in fed]
         positions = [p for _, fed, start in feeds for p in range(start, start + len(fed))]
-        slices = [SequenceSlice(seq_id, start, len(fed)) for seq_id, fed, start in feeds]
+        slices = [SequenceSlice(seq_id, start, len(fed), as_decodes=len(fed) <= DECODE_ROWS)
+                  for seq_id, fed, start in feeds]
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                             self.kv_cache.prepare(slices))
         last = torch.tensor([len(fed) for _, fed, _ in feeds], device=self.device).cumsum(0) - 1
