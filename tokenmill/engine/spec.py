@@ -1,5 +1,6 @@
 """Speculative decoding's proposers: tokens guessed to follow a sequence, which the next step checks all at once
 (the scheduler runs them after the decode token, the sampler's verify keeps those the model would have sampled).
+Here the lookups in tokens already seen (prompt lookup, the suffix cache); a draft model's: engine/draft.py.
 
 A decode step reads every weight to produce one token per sequence; checking k proposals in the same forward
 costs little more, so when the guesses are often right (answers that copy from the prompt or repeat themselves)
