@@ -2,8 +2,8 @@
 tokens, greedily, in batched steps of its own over its own paged KV memory.
 
 Greedy guesses are a deterministic proposal, so the target's verify (accept while its sample equals the guess)
-keeps the output exactly the target's, whatever the draft. The draft remembers which tokens its KV holds for each
-sequence: the next proposal runs only what changed since (the accepted guesses, the target's new token), and a
+keeps the output exactly the target's, whatever the draft. The draft remembers how many of each sequence's tokens
+its KV holds: the next proposal runs only what changed since (the accepted guesses, the target's new token), and a
 rejected guess's KV is simply overwritten.
 """
 
@@ -28,7 +28,7 @@ class DraftModelProposer:
         self.device = draft.device
         self.kv_cache = kv_cache
         self.vocab_size = vocab_size
-        self.held: dict[int, list[int]] = {}  # seq id -> the tokens whose KV the draft holds, from position 0
+        self.held: dict[int, int] = {}  # seq id -> how many of its tokens, from position 0, the draft's KV holds
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -38,14 +38,13 @@ class DraftModelProposer:
         for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
             if k <= 0:
                 continue
-            tokens = seq.tokens(0, seq.num_tokens)
             # The draft holds the tokens it last saw and its guesses after them but the last; since then the
-            # sequence has kept a run of those guesses and added one token, so what the draft holds is the
-            # sequence's up to that token or the one before. The last token always runs: its logits guess.
-            start = min(len(self.held.get(seq.seq_id, ())), len(tokens) - 1)
-            if self._reserve(seq.seq_id, len(tokens) + k - 1, asking):
-                self.held[seq.seq_id] = tokens[:start]
-                feeds.append((i, tokens[start:], start, k))
+            # sequence has kept a run of those guesses and added one token, so the draft's first `held` tokens are
+            # the sequence's up to that token or the one before. The last token always runs: its logits guess.
+            start = min(self.held.get(seq.seq_id, 0), seq.num_tokens - 1)
+            if self._reserve(seq.seq_id, seq.num_tokens + k - 1, asking):
+                self.held[seq.seq_id] = start
+                feeds.append((i, seq.tokens(start, seq.num_tokens), start, k))
         for step in range(max((k for *_, k in feeds), default=0)):
             feeds = [f for f in feeds if f[3] > step]
             feeds.sort(key=lambda f: len(f[1]) > DECODE_ROWS)  # the paged metadata wants decode rows first
@@ -53,7 +52,7 @@ class DraftModelProposer:
             running = []
             for (i, fed, start, k), guess in zip(feeds, guesses, strict=True):
                 drafts[i].append(guess)
-                self.held[seqs[i].seq_id] += fed
+                self.held[seqs[i].seq_id] += len(fed)
                 running.append((i, [guess], start + len(fed), k))  # the guess runs next, for the one after it
             feeds = running
         return drafts
