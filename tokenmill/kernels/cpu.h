@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -140,6 +141,21 @@ struct QuantizedMatrix {
   int64_t zero;         // Q4_0: 8; else 0
   int64_t sub, in, out;
 };
+
+// Calls f(U4, SUB, S{}) for w's layout, U4 and SUB as std::integral_constant: 4-bit weights with a scale per 32, or
+// 8-bit ones with a scale per 32 or per 16; S the scales' type, at::Half or float. Each kernel is a template on
+// the three, so the kernels that take a matrix dispatch through this one place.
+template <typename F>
+void with_layout(const QuantizedMatrix& w, F&& f) {
+  const auto scales = [&](auto u4, auto sub) { w.half_scales ? f(u4, sub, at::Half{}) : f(u4, sub, float{}); };
+  if (w.u4) {
+    scales(std::true_type{}, std::integral_constant<int, 32>{});
+  } else if (w.sub == 32) {
+    scales(std::false_type{}, std::integral_constant<int, 32>{});
+  } else {
+    scales(std::false_type{}, std::integral_constant<int, 16>{});
+  }
+}
 
 // The matrix of these tensors, of out_features rows, checked against each other.
 QuantizedMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales,

@@ -382,13 +382,9 @@ void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMa
     return;
   }
   const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub);
-  if (w.u4) {
-    w.half_scales ? matmul<true, 32, at::Half>(xq, rows, w, out) : matmul<true, 32, float>(xq, rows, w, out);
-  } else if (w.sub == 32) {
-    w.half_scales ? matmul<false, 32, at::Half>(xq, rows, w, out) : matmul<false, 32, float>(xq, rows, w, out);
-  } else {
-    w.half_scales ? matmul<false, 16, at::Half>(xq, rows, w, out) : matmul<false, 16, float>(xq, rows, w, out);
-  }
+  tokenmill::with_layout(w, [&](auto u4, auto sub, auto s) {
+    matmul<decltype(u4)::value, decltype(sub)::value, decltype(s)>(xq, rows, w, out);
+  });
 }
 
 TORCH_LIBRARY(tokenmill, m) {

@@ -249,16 +249,9 @@ bool tokenmill::tiles_available() {
 void tokenmill::tile_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out) {
 #if defined(TOKENMILL_AMX)
   TORCH_CHECK(tiles_available(), "AMX tiles are unavailable here");
-  if (w.u4) {
-    w.half_scales ? tile_matmul_typed<true, 32, at::Half>(x, rows, w, out)
-                  : tile_matmul_typed<true, 32, float>(x, rows, w, out);
-  } else if (w.sub == 32) {
-    w.half_scales ? tile_matmul_typed<false, 32, at::Half>(x, rows, w, out)
-                  : tile_matmul_typed<false, 32, float>(x, rows, w, out);
-  } else {
-    w.half_scales ? tile_matmul_typed<false, 16, at::Half>(x, rows, w, out)
-                  : tile_matmul_typed<false, 16, float>(x, rows, w, out);
-  }
+  tokenmill::with_layout(w, [&](auto u4, auto sub, auto s) {
+    tile_matmul_typed<decltype(u4)::value, decltype(sub)::value, decltype(s)>(x, rows, w, out);
+  });
 #else
   (void)x, (void)rows, (void)w, (void)out;
   TORCH_CHECK(false, "the kernels were built without AMX tiles");
