@@ -29,7 +29,8 @@ def chat(loaded: LoadedModel, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def prompts(smollm: LoadedModel) -> list[list[int]]:
-    """16 requests whose answers copy from their prompts (where proposals get accepted)."""
+    """16 requests whose answers copy from their prompts (where proposals get accepted); every other one, each
+    task, runs alone below."""
     return [chat(smollm, task.format(name)) for task in TASKS for name in NAMES]
 
 
@@ -98,13 +99,13 @@ def test_greedy_tokens_are_those_of_plain_decoding_alone_and_in_a_batch(smollm, 
         return run_step(self, plan)
 
     monkeypatch.setattr(ModelRunner, "run", counting)
-    plain, spec, engine = both(smollm, prompts, [greedy(ignore_eos=True)] * 16, one_at_a_time=True)
+    plain, spec, engine = both(smollm, prompts[::2], [greedy(ignore_eos=True)] * 8, one_at_a_time=True)
     assert same(plain, spec)
     accepted, proposed = counted(engine.metrics.spec_accepted_tokens), counted(engine.metrics.spec_draft_tokens)
     assert accepted > 50 and proposed > accepted  # it speculated, and missed too
     # No prefix cache in play: each engine runs every prompt token and every output token but the last once, and
     # the speculating one its rejected proposals besides.
-    once = sum(len(p) + len(r[0]) - 1 for p, r in zip(prompts, spec, strict=True))
+    once = sum(len(p) + len(r[0]) - 1 for p, r in zip(prompts[::2], spec, strict=True))
     assert sum(computed) == 2 * once + proposed - accepted
     plain, spec, _ = both(smollm, prompts[:8], [greedy()] * 8, one_at_a_time=False)
     assert same(plain, spec)
@@ -112,18 +113,18 @@ def test_greedy_tokens_are_those_of_plain_decoding_alone_and_in_a_batch(smollm, 
 
 @pytest.mark.parametrize("speculative", ["suffix", "draft"])
 def test_the_other_proposers_keep_the_tokens_of_plain_decoding(smollm, smollm_path, prompts, speculative) -> None:
-    """16 prompts alone and 8 in a batch, as for prompt lookup above. The suffix cache: the earlier requests'
+    """8 prompts alone and 8 in a batch, as for prompt lookup above. The suffix cache: the earlier requests'
     answers propose too. The draft: the model's own GGUF, loaded as a server loads it (bf16 where the CPU has it,
     the weights kept quantized), has nearly every guess accepted (a miss: a near tie its rounding breaks the
     other way)."""
     draft = str(smollm_path) if speculative == "draft" else None
-    plain, spec, engine = both(smollm, prompts, [greedy(ignore_eos=True)] * 16, one_at_a_time=True,
+    plain, spec, engine = both(smollm, prompts[::2], [greedy(ignore_eos=True)] * 8, one_at_a_time=True,
                                speculative=speculative, draft_model=draft)
     assert same(plain, spec)
     accepted, proposed = counted(engine.metrics.spec_accepted_tokens), counted(engine.metrics.spec_draft_tokens)
     assert accepted > 50
     if draft:
-        assert proposed > 200 and accepted / proposed > 0.85  # measured 0.93 (a bf16 draft), 0.95 (fp32)
+        assert proposed > 100 and accepted / proposed > 0.85  # measured 142 of 153, 0.93 (a bf16 draft)
     plain, spec, _ = both(smollm, prompts[:8], [greedy()] * 8, one_at_a_time=False, speculative=speculative,
                           draft_model=draft)
     assert same(plain, spec)
