@@ -6,15 +6,17 @@ from pathlib import Path
 
 import pytest
 
+# Tests run the model on the CPU; TOKENMILL_TEST_DEVICE=cuda runs the same checks on a GPU.
+DEVICE = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":  # the GPU kernels' tests run in Triton's interpreter, chosen before tokenmill imports Triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import write_tiny_gguf  # noqa: E402
 
 from tokenmill.loader import LoadedModel, load_model  # noqa: E402
 from tokenmill.loader.sources import pull  # noqa: E402
-
-# Tests run the model on the CPU; TOKENMILL_TEST_DEVICE=cuda runs the same checks on a GPU.
-DEVICE = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import kernels
+from tokenmill.kernels import gpu
 
 
 @dataclass
@@ -37,7 +38,8 @@ class PagedMetadata:
     num_decodes: int
     decode_tables: torch.Tensor  # [decodes * max blocks]: each row's block table, flat, padded with the null block
     decode_lengths: torch.Tensor  # [decodes]: keys each row sees, its own token's included
-    decode_mask: torch.Tensor  # [decodes, 1, 1, max blocks * block size]: True where a key exists
+    # [decodes, 1, 1, max blocks * block size]: True where a key exists (None: the kernels read the lengths instead)
+    decode_mask: torch.Tensor | None
     prefills: list[tuple[SequenceSlice, torch.Tensor]]  # (slice, its block table), for the rest
     # Deterministic mode: every row's block table [tokens, width] and key count (its position + 1), so that a
     # prompt's rows attend through the decode kernel, whatever the chunking, and a row's result is the same bits
@@ -136,8 +138,14 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
     if b == q.shape[0] and q.device.type == "cpu" and kernels.load():  # decodes only: the kernel's output is all
         return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1),
                                                           meta.decode_lengths, scale, window)
+    if b == q.shape[0] and gpu.runs(q):
+        return gpu.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1), meta.decode_lengths,
+                                          scale, window)
     out = torch.empty_like(q)
-    if b and q.device.type == "cpu" and kernels.load():  # read from the pool through the tables (kernels/)
+    if b and gpu.runs(q):
+        out[:b] = gpu.paged_decode_attention(q[:b], k_cache, v_cache, meta.decode_tables.view(b, -1),
+                                             meta.decode_lengths, scale, window)
+    elif b and q.device.type == "cpu" and kernels.load():  # read from the pool through the tables (kernels/)
         tables = meta.decode_tables.view(b, -1)
         out[:b] = torch.ops.tokenmill.paged_decode_attention(q[:b], k_cache, v_cache, tables, meta.decode_lengths,
                                                              scale, window)
@@ -191,12 +199,18 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, met
 def fused_rotary_attention(layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                            meta: AttentionMetadata, heads: int, kv_heads: int, scale: float,
                            window: int = 0) -> torch.Tensor | None:
-    """attention() from the fused q|k|v projection [tokens, (heads + 2 kv heads) * dim], RoPE applied: one C++ op
-    rotates q and k and writes k and v to the pool (kernels/rope.cpp). None where it does not run (no kernels, not
-    a paged CPU pool): the caller takes the torch path."""
-    if not isinstance(meta, PagedMetadata) or qkv.device.type != "cpu" or not kernels.load():
+    """attention() from the fused q|k|v projection [tokens, (heads + 2 kv heads) * dim], RoPE applied: one op
+    rotates q and k and writes k and v to the pool (kernels/rope.cpp on CPU, kernels/gpu.py on CUDA). None where it
+    does not run (no kernels, not a paged pool): the caller takes the torch path."""
+    if not isinstance(meta, PagedMetadata):
         return None
     cos, sin = rope
-    q = torch.ops.tokenmill.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer],
-                                          meta.slot_mapping, heads, kv_heads)
+    if gpu.runs(qkv):
+        q = gpu.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer], meta.slot_mapping, heads,
+                              kv_heads)
+    elif qkv.device.type == "cpu" and kernels.load():
+        q = torch.ops.tokenmill.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer],
+                                              meta.slot_mapping, heads, kv_heads)
+    else:
+        return None
     return _attend_paged(layer, q, meta, scale, window)

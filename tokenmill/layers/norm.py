@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.kernels import gpu
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +17,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and kernels.load():  # one pass (kernels/norm.cpp): torch's is ~8 small ops
             return torch.ops.tokenmill.rms_norm(x, self.weight, self.eps)
+        if gpu.runs(x):  # one launch (kernels/gpu.py), rows of any leading shape
+            return gpu.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # PyTorch's fused kernel: statistics in fp32 whatever the compute dtype; in fp32 bitwise equal to the
         # reference formula, in bf16 closer to exact (it rounds once, not twice).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -25,5 +28,7 @@ class RMSNorm(nn.Module):
         caller owns: the residual stream)."""
         if x.device.type == "cpu" and kernels.load():
             return x, torch.ops.tokenmill.add_rms_norm(x, residual, self.weight, self.eps)
+        if gpu.runs(x):
+            return x, gpu.rms_norm(x, self.weight, self.eps, residual)
         x = x + residual
         return x, self(x)

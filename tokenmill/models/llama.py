@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.errors import ModelFormatError
+from tokenmill.kernels import gpu
 from tokenmill.layers.attention import AttentionMetadata, PagedMetadata, attention, fused_rotary_attention
 from tokenmill.layers.linear import PackedLinear, linear_of, make_row_invariant, prepack_linears
 from tokenmill.layers.moe import QuantizedStacked, SparseMoE, StackedWeight
@@ -83,6 +84,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if not self.gelu and gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp)
             return self.down_proj(torch.ops.tokenmill.silu_mul(gate_up))
+        if not self.gelu and gpu.runs(gate_up):
+            return self.down_proj(gpu.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)

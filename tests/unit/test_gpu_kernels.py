@@ -1,0 +1,120 @@
+"""The Triton kernels of the CUDA path (kernels/gpu.py) against plain PyTorch: on a GPU where there is one
+(TOKENMILL_TEST_DEVICE=cuda), else on the CPU through Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1). Skipped where Triton is not installed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from tokenmill.kernels import gpu  # noqa: E402
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 3e-2  # bf16: a rounding or two of values of order 1
+
+
+def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Each row's keys gathered through its table, one softmax per head, in fp32."""
+    b, heads, _ = q.shape
+    block_size, group = k_cache.shape[1], heads // k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(b):
+        n = torch.arange(int(lengths[i]))
+        n = n[max(len(n) - window, 0):] if window else n
+        blocks = tables[i].cpu()[n // block_size]
+        keys, values = k_cache.cpu()[blocks, n % block_size].float(), v_cache.cpu()[blocks, n % block_size].float()
+        for h in range(heads):
+            weights = ((q[i, h].cpu().float() @ keys[:, h // group].T) * scale).softmax(-1)
+            out[i, h] = weights @ values[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "width", "window"), [
+    (9, 3, 64, 40, 0),  # SmolLM2's heads; 640 keys: split in 3
+    (4, 1, 32, 5, 0),  # one split
+    (8, 2, 64, 30, 100),  # a sliding window, across splits
+])
+def test_paged_decode_attention_matches_gathered_softmax(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                                                          width: int, window: int, device: str) -> None:
+    torch.manual_seed(0)
+    b, block_size = 3, 16
+    blocks = b * width + 1
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim).to(dtype)
+    tables = (torch.randperm(blocks - 1)[:b * width].view(b, width) + 1)  # scattered blocks, never the null one
+    lengths = torch.tensor([width * block_size, 1, width * block_size // 2 + 7])
+    q = torch.randn(b, heads, dim).to(dtype)
+    scale = 1 / math.sqrt(dim)
+    out = gpu.paged_decode_attention(*(t.to(device) for t in (q, k_cache, v_cache, tables, lengths)), scale, window)
+    expected = reference_decode(q, k_cache, v_cache, tables, lengths, scale, window)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.cpu().float(), expected, atol=tolerance(dtype), rtol=0)
+
+
+def test_decode_splits_grow_with_the_context_and_stop_where_the_batch_fills_the_gpu() -> None:
+    assert gpu.decode_splits(1, 3, 256) == 1
+    assert gpu.decode_splits(1, 3, 8192) == gpu.MAX_SPLITS
+    assert gpu.decode_splits(2, 3, 640) == 3
+    assert gpu.decode_splits(256, 3, 8192) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_the_residual(dtype: torch.dtype, device: str) -> None:
+    torch.manual_seed(1)
+    x, residual = torch.randn(5, 576).to(dtype), torch.randn(5, 576).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    out = gpu.rms_norm(x.to(device), weight.to(device), 1e-5)
+    torch.testing.assert_close(out.cpu().float(), F.rms_norm(x.float(), (576,), weight.float(), 1e-5),
+                               atol=tolerance(dtype), rtol=tolerance(dtype))
+    stream = x.clone().to(device)  # the kernel writes the sum into it
+    out = gpu.rms_norm(stream, weight.to(device), 1e-5, residual.to(device))
+    total = x.float() + residual.float()
+    torch.testing.assert_close(stream.cpu().float(), total, atol=tolerance(dtype), rtol=tolerance(dtype))
+    torch.testing.assert_close(out.cpu().float(), F.rms_norm(total, (576,), weight.float(), 1e-5),
+                               atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype: torch.dtype, device: str) -> None:
+    torch.manual_seed(2)
+    gate_up = torch.randn(3, 2 * 1536).to(dtype)
+    gate, up = gate_up.float().split(1536, dim=-1)
+    out = gpu.silu_mul(gate_up.to(device))
+    torch.testing.assert_close(out.cpu().float(), F.silu(gate) * up, atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv_rotates_queries_and_keys_and_writes_the_pool_at_the_slots(dtype: torch.dtype,
+                                                                                 device: str) -> None:
+    torch.manual_seed(3)
+    heads, kv_heads, dim, tokens = 9, 3, 64, 5
+    cos, sin = RotaryEmbedding(dim, 10000.0, 128)(torch.tensor([3, 17, 50, 51, 99]))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    k_cache = torch.zeros(8, 16, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([16, 17, 40, 41, 127])
+    k_dev, v_dev = k_cache.to(device), v_cache.to(device)
+    q = gpu.rope_store_kv(qkv.to(device), cos.to(device), sin.to(device), k_dev, v_dev, slots.to(device), heads,
+                          kv_heads)
+    q_part, k_part, v_part = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    keys, values = k_dev.cpu().view(-1, kv_heads, dim), v_dev.cpu().view(-1, kv_heads, dim)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(q.cpu().float(), apply_rotary(q_part.reshape(tokens, heads, dim), (cos, sin)).float(),
+                               atol=tol, rtol=tol)
+    torch.testing.assert_close(keys[slots].float(),
+                               apply_rotary(k_part.reshape(tokens, kv_heads, dim), (cos, sin)).float(),
+                               atol=tol, rtol=tol)
+    assert torch.equal(values[slots], v_part.reshape(tokens, kv_heads, dim))
+    written = keys.abs().sum((1, 2)).nonzero().flatten()
+    assert written.tolist() == sorted(slots.tolist())  # nothing beside the slots
