@@ -58,6 +58,9 @@ class EngineConfig:
                                              "32 rows where dense copies exist) run each decoder layer as one C++ op "
                                              "on fp32 rows, whatever the dtype (off: one op per norm, projection, "
                                              "RoPE, attention...)")
+    enforce_eager: bool = option(False, "on CUDA, run decode steps op by op instead of replaying CUDA graphs (one "
+                                        "per batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs, captured at "
+                                        "start-up)")
     speculative: str | None = option(None, "speculative decoding: ngram (prompt lookup: the tokens that followed "
                                            "the latest earlier occurrence of the sequence's last n-gram are proposed "
                                            "and checked in the next step, lossless) or suffix (the same, then "

@@ -41,8 +41,10 @@ class PagedKVCache:
         self.per_row_attention = per_row_attention
         # Block 0 is the null block: never allocated, always zero, the padding of decode block tables. Masked
         # keys get zero attention weight, but 0 * NaN is NaN, so padding must never hold a stray NaN.
+        # The last block is scratch: where the padding rows of a CUDA graph's batch write their K/V (engine/graphs.py).
         self.pool = BlockPool(num_blocks, first_block=1)
-        shape = (spec.num_layers, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+        self.scratch_slot = (num_blocks + 1) * block_size
+        shape = (spec.num_layers, num_blocks + 2, block_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.device = device
@@ -141,6 +143,18 @@ class PagedKVCache:
             decode_mask=mask[:, None, None, :].to(self.device), prefills=prefills,
             row_tables=row_tables, row_lengths=row_lengths,
         )
+
+    def decode_rows(self, seq_ids: list[int], positions: list[int], tables: torch.Tensor) -> list[int]:
+        """A decode step's rows for a CUDA graph's inputs (engine/graphs.py): each sequence's block table written
+        into tables [>= rows, width] (null-padded); returns the slot of each row's new token."""
+        bs = self.block_size
+        tables[:len(seq_ids)] = 0
+        slots = []
+        for i, (seq_id, position) in enumerate(zip(seq_ids, positions, strict=True)):
+            table = self.tables[seq_id]
+            tables[i, :len(table)] = torch.tensor(table)
+            slots.append(table[position // bs] * bs + position % bs)
+        return slots
 
     def _padded_tables(self, slices: list[SequenceSlice]) -> torch.Tensor:
         """[slices, longest table] block ids, padded with the null block."""

@@ -22,6 +22,7 @@ from tokenmill.cache.sizing import build_kv_cache, parse_size
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft import DraftModelProposer
+from tokenmill.engine.graphs import DecodeGraphs
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogprob
 from tokenmill.engine.runner import ModelRunner
@@ -29,6 +30,7 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.spec import AcceptanceGate, NgramProposer, Proposer, SuffixCacheProposer
 from tokenmill.errors import ConfigError
+from tokenmill.kernels import gpu
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.models.config import attention_crossover
 from tokenmill.sampling import SamplingParams
@@ -85,12 +87,23 @@ class Engine:
         self.max_model_len = self._context_that_fits(loaded.max_model_len, self.kv_cache.capacity_tokens)
         self.scheduler = Scheduler(c, self.kv_cache, self.max_model_len, self.tokenizer.eos_token_ids,
                                    attention_crossover(mc))
-        self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device, self._decode_graphs(loaded))
         # Read by API threads (compile) and by the sampler (masks); built here, before any request arrives.
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), mc.vocab_size, self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, loaded.device, c.seed, self.grammars)
         self.proposer = self._proposer()
         self.gate = AcceptanceGate()
+
+    def _decode_graphs(self, loaded: LoadedModel) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps, on a CUDA device over a paged pool where the GPU kernels run (they read the
+        block tables themselves); none with --enforce-eager."""
+        c = self.config
+        if loaded.device.type != "cuda" or c.enforce_eager or not isinstance(self.kv_cache, PagedKVCache):
+            return None
+        if not gpu.available():
+            log.info("decode steps run op by op: CUDA graphs need the Triton kernels (kernels/gpu.py), not here")
+            return None
+        return DecodeGraphs(loaded.model, self.kv_cache, c.max_num_seqs, self.max_model_len)
 
     def _load(self, model: str, max_model_len: int | None) -> LoadedModel:
         c = self.config

@@ -5,21 +5,29 @@ from __future__ import annotations
 import torch
 
 from tokenmill.cache.kv_cache import KVCache
+from tokenmill.engine.graphs import DecodeGraphs
 from tokenmill.engine.scheduler import ScheduledSequence
 from tokenmill.layers.attention import SequenceSlice
 from tokenmill.models.registry import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.graphs = graphs  # decode steps that fit one are replayed from a CUDA graph
 
     @torch.inference_mode()
     def run(self, plan: list[ScheduledSequence]) -> torch.Tensor:
         """Run one step; returns logits for the plan's sampling items, in plan order: one row each, or 1 + k rows
         for an item with k proposed tokens (the rows after its decode token and after each proposal)."""
+        if self.graphs is not None and self._replays(plan):
+            seqs = [item.seq for item in plan]
+            positions = [seq.num_computed_tokens for seq in seqs]
+            return self.graphs.run([seq.tokens(p, p + 1)[0] for seq, p in zip(seqs, positions, strict=True)],
+                                   positions, [seq.seq_id for seq in seqs])
         input_ids: list[int] = []
         positions: list[int] = []
         slices: list[SequenceSlice] = []
@@ -42,6 +50,13 @@ class ModelRunner:
             self._pool(item, hidden[first:end])
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def _replays(self, plan: list[ScheduledSequence]) -> bool:
+        """Whether a captured graph runs the step: one sampled token per sequence, no proposals, no pooling, a batch
+        no larger than the largest graph."""
+        assert self.graphs is not None
+        return self.graphs.size_for(len(plan)) is not None and all(
+            item.num_tokens == 1 and item.samples and not item.draft and item.seq.pooling is None for item in plan)
 
     @staticmethod
     def _pool(item: ScheduledSequence, hidden: torch.Tensor) -> None:
