@@ -106,15 +106,16 @@ class Sampler:
                 banned = [*self.eos_token_ids, *p.stop_token_ids]
                 if banned:
                     logits[i, torch.tensor(banned, device=dev)] = _NEG_INF
-        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)
-        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)
-        pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)
-        if bool((freq != 0).any() or (pres != 0).any()):
+        # Which penalties apply is read from the parameters on the host: no round trip to a GPU to find out.
+        if any(s.params.frequency_penalty != 0 or s.params.presence_penalty != 0 for s in seqs):
             # OpenAI's penalties count generated tokens only.
+            freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)
+            pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)
             counts = _occurrences(_padded(outputs, dev), vocab)
             logits -= freq[:, None] * counts + pres[:, None] * (counts > 0)
-        if bool((rep != 1).any()):
+        if any(s.params.repetition_penalty != 1 for s in seqs):
             # The multiplicative penalty (CTRL, as in transformers and vLLM) covers prompt and output.
+            rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)
             seen = _occurrences(_padded([s.prompt_ids + out for s, out in zip(seqs, outputs, strict=True)], dev),
                                 vocab) > 0
             factor = torch.where(logits > 0, 1 / rep[:, None], rep[:, None])
@@ -123,17 +124,16 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         dev = logits.device
+        argmax = logits.argmax(dim=-1)
+        if all(s.params.temperature == 0 for s in seqs):
+            return argmax
         temperature = torch.tensor([s.params.temperature for s in seqs], device=dev)
         greedy = temperature == 0
-        argmax = logits.argmax(dim=-1)
-        if bool(greedy.all()):
-            return argmax
         logits.div_(torch.where(greedy, 1.0, temperature)[:, None])
         top_k = [s.params.top_k for s in seqs]
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
         vocab = logits.shape[-1]
-        if any(k > 0 for k in top_k) or bool((top_p < 1).any()):
+        if any(k > 0 for k in top_k) or any(s.params.top_p < 1 for s in seqs):
+            top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             k = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev)
             ranks = torch.arange(vocab, device=dev)[None, :]
@@ -144,7 +144,8 @@ class Sampler:
             drop[:, 0] = False
             logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, _NEG_INF))
         probs = logits.softmax(dim=-1)
-        if bool((min_p > 0).any()):
+        if any(s.params.min_p > 0 for s in seqs):
+            min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0)
         # Inverse-CDF sampling: one uniform number per row, drawn from the row's own stream (its seed) so a
         # request's tokens do not depend on its batch neighbours; far cheaper than vocabulary-sized noise.
