@@ -25,9 +25,9 @@ class ModelRunner:
         for an item with k proposed tokens (the rows after its decode token and after each proposal)."""
         if self.graphs is not None and self._replays(plan):
             seqs = [item.seq for item in plan]
-            positions = [seq.num_computed_tokens for seq in seqs]
-            return self.graphs.run([seq.tokens(p, p + 1)[0] for seq, p in zip(seqs, positions, strict=True)],
-                                   positions, [seq.seq_id for seq in seqs])
+            at = [seq.num_computed_tokens for seq in seqs]
+            return self.graphs.run([seq.tokens(p, p + 1)[0] for seq, p in zip(seqs, at, strict=True)], at,
+                                   [seq.seq_id for seq in seqs])
         input_ids: list[int] = []
         positions: list[int] = []
         slices: list[SequenceSlice] = []

@@ -74,7 +74,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _weight_memory(model: CausalLM) -> str:
+def weight_bytes(model: CausalLM) -> tuple[int, int]:
     """What the weights (and tables) hold in memory, quantized and dense, each tensor counted once."""
     seen: set[int] = set()
     quantized = dense = 0
@@ -87,7 +87,7 @@ def _weight_memory(model: CausalLM) -> str:
                 quantized += value.nbytes
             else:
                 dense += value.numel() * value.element_size()
-    return f"{quantized / 2**20:.0f} MiB quantized + {dense / 2**20:.0f} MiB dense"
+    return quantized, dense
 
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
@@ -134,9 +134,10 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
                       fused_decode, deterministic, tiles_from_rows)
     del weights
     _return_freed_memory()
-    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d; weights %s", path.name,
-             config.architecture, config.num_layers, torch_dtype, dev, time.perf_counter() - started, served_len,
-             _weight_memory(net))
+    quantized_bytes, dense_bytes = weight_bytes(net)
+    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d; weights %.0f MiB quantized + %.0f MiB "
+             "dense", path.name, config.architecture, config.num_layers, torch_dtype, dev,
+             time.perf_counter() - started, served_len, quantized_bytes / 2**20, dense_bytes / 2**20)
     return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer,
                        chat_template=chat_template, dtype=torch_dtype, device=dev, max_model_len=served_len,
                        deterministic=deterministic)
