@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The CUDA path's checks and measurements in one run on a GPU machine (issue 20; about 5 minutes on an H100):
+#   bash scripts/gpu_check.sh [OUT_DIR]        from the checkout's root, after scripts/gpu_kit.sh (on a machine with
+#                                              PyPI) made .whl/ and .gpu/, carried along with the checkout
+# 1. the GPU kernels' tests, tests/gpu (bf16 fidelity against transformers, graphs against op-by-op steps, greedy
+#    alone against a batch of 32, prefix cache, chunks, preemption, aborts) and the random-model fidelity tests, on
+#    CUDA; 2. two synthetic Llama GGUFs of random weights (F16) with SmolLM2's tokenizer: the default model's shape
+#    (135M) and TinyLlama's (1.1B); 3. for each, bf16 decode tok/s at 1, 32 and 256 streams and prefill tok/s, with
+#    and without CUDA graphs, and a profile of one-stream decode steps each way (tokenmill.bench.decode).
+# Writes tests.txt, bench-135m.txt, bench-1b.txt and gpu.txt into OUT_DIR (default $OUT, else /tmp/gpu-check).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-/tmp/gpu-check}}
+mkdir -p "$out" /tmp/models
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+  python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$out/gpu.txt"
+reference=.gpu/smollm2-tokenizer.gguf
+[ -f "$reference" ] || reference=""  # then synthetic_gguf.py pulls SmolLM2 itself (needs the network)
+started=$SECONDS
+python3 scripts/synthetic_gguf.py /tmp/models/smollm2-shape.gguf --hidden 576 --layers 30 --ffn 1536 --heads 9 \
+  --kv-heads 3 ${reference:+--reference "$reference"} &
+python3 scripts/synthetic_gguf.py /tmp/models/tinyllama-shape.gguf ${reference:+--reference "$reference"} &
+TOKENMILL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/unit/test_gpu_kernels.py \
+  tests/gpu tests/model/test_fidelity.py::test_random_hf_model_matches_transformers 2>&1 | tee "$out/tests.txt"
+wait
+echo "tests and models: $((SECONDS - started)) s" | tee -a "$out/gpu.txt"
+bench() {  # MODEL OUTPUT [FLAGS...]
+  local model=$1 file=$2
+  shift 2
+  timeout 240 python3 -m tokenmill.bench.decode "$model" --device cuda --dtype bfloat16 --streams 1 32 256 \
+    --graphs both --prefill --runs 3 --tokens 128 "$@" 2>&1 | grep -v -E "^(INFO|WARNING):" | tee "$out/$file"
+}
+bench /tmp/models/smollm2-shape.gguf bench-135m.txt --profile
+bench /tmp/models/tinyllama-shape.gguf bench-1b.txt
+echo "all: $((SECONDS - started)) s" | tee -a "$out/gpu.txt"
