@@ -4,6 +4,8 @@ that carries a sequence's outputs from the engine thread to the asyncio handler 
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
 
@@ -14,18 +16,46 @@ from tokenmill.sampling import SamplingParams
 from tokenmill.structured.backend import CompiledGrammar
 
 
+class _Mailbox:
+    """Outputs bound for one event loop's streams: the engine thread drops them here and wakes the loop once for
+    all it drops before the loop drains them, not once per output (a wake-up is a write to the loop's pipe: at 256
+    streams, 256 a step)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._outputs: list[tuple[asyncio.Queue[SequenceOutput], SequenceOutput]] = []
+
+    def put(self, queue: asyncio.Queue[SequenceOutput], output: SequenceOutput) -> None:  # engine thread
+        with self._lock:
+            self._outputs.append((queue, output))
+            if len(self._outputs) > 1:  # a wake-up is already on its way
+                return
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # the loop
+        with self._lock:
+            outputs, self._outputs = self._outputs, []
+        for queue, output in outputs:
+            queue.put_nowait(output)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+
+
 class RequestStream:
     """One sequence's outputs, put by the engine thread, iterated on the event loop."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        self._mailbox = _MAILBOXES.get(loop) or _MAILBOXES.setdefault(loop, _Mailbox(loop))
         self._queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
         self.seq_id = -1  # set once the engine has taken the sequence
         self.finished = False
 
     def put(self, output: SequenceOutput) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+        self._mailbox.put(self._queue, output)
 
     async def __aiter__(self) -> AsyncIterator[SequenceOutput]:
         while not self.finished:

@@ -9,9 +9,11 @@ Both answer the scheduler (reserve, free, capacity, usage) and the runner (prepa
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.cache.block_pool import BlockPool
@@ -124,11 +126,8 @@ class PagedKVCache:
         decodes = [s for s in slices if s.num_tokens == 1 or s.as_decodes]
         assert all(s.num_tokens == 1 or s.as_decodes for s in slices[:len(decodes)]), "decodes must lead the batch"
         rows = [s.num_tokens for s in decodes]
-        num_decodes = sum(rows)
         tables = self._padded_tables(decodes).repeat_interleave(torch.tensor(rows, dtype=torch.long), dim=0)
-        lengths = torch.tensor([p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)],
-                               dtype=torch.long)
-        mask = torch.arange(tables.shape[1] * bs)[None, :] < lengths[:, None]
+        lengths = [p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)]
         prefills = [(s, torch.tensor(self.tables[s.seq_id], device=self.device)) for s in slices[len(decodes):]]
         row_tables = row_lengths = None
         if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
@@ -138,9 +137,8 @@ class PagedKVCache:
                                        dtype=torch.long, device=self.device)
         return PagedMetadata(
             k_cache=self.k, v_cache=self.v, slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=num_decodes, decode_tables=tables.flatten().to(self.device),
-            decode_lengths=lengths.to(self.device),
-            decode_mask=mask[:, None, None, :].to(self.device), prefills=prefills,
+            num_decodes=sum(rows), decode_tables=tables.flatten().to(self.device),
+            decode_lengths=torch.tensor(lengths, dtype=torch.long, device=self.device), prefills=prefills,
             row_tables=row_tables, row_lengths=row_lengths,
         )
 
@@ -148,22 +146,27 @@ class PagedKVCache:
         """A decode step's rows for a CUDA graph's inputs (engine/graphs.py): each sequence's block table written
         into tables [>= rows, width] (null-padded); returns the slot of each row's new token."""
         bs = self.block_size
-        tables[:len(seq_ids)] = 0
-        slots = []
-        for i, (seq_id, position) in enumerate(zip(seq_ids, positions, strict=True)):
-            table = self.tables[seq_id]
-            tables[i, :len(table)] = torch.tensor(table)
-            slots.append(table[position // bs] * bs + position % bs)
-        return slots
+        own = [self.tables[seq_id] for seq_id in seq_ids]
+        tables[:len(own)] = 0
+        _fill_rows(tables, own)
+        return [table[p // bs] * bs + p % bs for table, p in zip(own, positions, strict=True)]
 
     def _padded_tables(self, slices: list[SequenceSlice]) -> torch.Tensor:
         """[slices, longest table] block ids, padded with the null block."""
-        width = max((len(self.tables[s.seq_id]) for s in slices), default=1)
-        tables = torch.zeros(len(slices), width, dtype=torch.long)
-        for i, s in enumerate(slices):
-            table = self.tables[s.seq_id]
-            tables[i, : len(table)] = torch.tensor(table)
+        own = [self.tables[s.seq_id] for s in slices]
+        tables = torch.zeros(len(own), max(map(len, own), default=1), dtype=torch.long)
+        _fill_rows(tables, own)
         return tables
+
+
+def _fill_rows(out: torch.Tensor, rows: list[list[int]]) -> None:
+    """out[i, :len(rows[i])] = rows[i] for every i, out a CPU tensor, in one scatter through numpy (a step's tables,
+    a row a sequence: 9 us for one row, 85 us for 256 of 20 blocks, against 5 us and 1.7 ms row by row)."""
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(lengths.sum()))
+    which = np.repeat(np.arange(len(rows)), lengths)
+    column = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out.numpy()[which, column] = flat
 
 
 class ContiguousKVCache:

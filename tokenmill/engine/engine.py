@@ -359,12 +359,10 @@ class Engine:
         generated = sum(len(seq.output_ids) - seq.num_sent_tokens for seq in seqs)
         self.metrics.generation_tokens.inc(generated)
         self.metrics.rates.add(time.time(), generated=generated)
+        self.metrics.observe_tokens([now - seq.arrival_time for seq in seqs if not seq.num_sent_tokens],
+                                    [now - seq.last_token_time for seq in seqs if seq.num_sent_tokens])
         for seq, logprob in zip(seqs, logprobs, strict=True):
             new = seq.output_ids[seq.num_sent_tokens:]
-            if seq.num_sent_tokens:
-                self.metrics.observe_next_token(now - seq.last_token_time)
-            else:
-                self.metrics.observe_first_token(now - seq.arrival_time)
             seq.last_token_time = now
             ended = self._ended_by_end_token(seq)
             seq.pending_logprobs += [lp for lp in logprob[:len(logprob) - ended] if lp is not None]

@@ -92,8 +92,7 @@ class DecodeGraphs:
         kv = self.kv_cache
         meta = PagedMetadata(
             k_cache=kv.k, v_cache=kv.v, slot_mapping=self.inputs[2, :size], num_decodes=size,
-            decode_tables=self.tables[:size].view(-1), decode_lengths=self.inputs[3, :size], decode_mask=None,
-            prefills=[])
+            decode_tables=self.tables[:size].view(-1), decode_lengths=self.inputs[3, :size], prefills=[])
         hidden = self.model(self.inputs[0, :size], self.inputs[1, :size], meta)
         return self.model.compute_logits(hidden)
 

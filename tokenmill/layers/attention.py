@@ -38,8 +38,6 @@ class PagedMetadata:
     num_decodes: int
     decode_tables: torch.Tensor  # [decodes * max blocks]: each row's block table, flat, padded with the null block
     decode_lengths: torch.Tensor  # [decodes]: keys each row sees, its own token's included
-    # [decodes, 1, 1, max blocks * block size]: True where a key exists (None: the kernels read the lengths instead)
-    decode_mask: torch.Tensor | None
     prefills: list[tuple[SequenceSlice, torch.Tensor]]  # (slice, its block table), for the rest
     # Deterministic mode: every row's block table [tokens, width] and key count (its position + 1), so that a
     # prompt's rows attend through the decode kernel, whatever the chunking, and a row's result is the same bits
@@ -91,13 +89,14 @@ def _head_blocks(kv_heads: int, group: int, scale: float, dtype: torch.dtype,
     return own, torch.arange(kv_heads * group, device=device)
 
 
-def _window_mask(mask: torch.Tensor | None, lengths: torch.Tensor, keys: int, window: int) -> torch.Tensor | None:
-    """_decode_attention's key mask [b, 1, 1, keys] with a sliding window: each sequence's last `window` keys."""
-    if not window:
-        return mask
-    inside = torch.arange(keys, device=lengths.device)[None, :] >= (lengths - window)[:, None]
-    inside = inside[:, None, None, :]
-    return inside if mask is None else mask & inside
+def _key_mask(lengths: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """_decode_attention's key mask [b, 1, 1, keys] over the gathered tables: True where a sequence has the key and,
+    with a sliding window, it is one of the sequence's last `window` keys."""
+    position = torch.arange(keys, device=lengths.device)[None, :]
+    mask = position < lengths[:, None]
+    if window:
+        mask &= position >= (lengths - window)[:, None]
+    return mask[:, None, None, :]
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -153,7 +152,7 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
         # index_select, not advanced indexing: 2.5x faster for this gather on CPU (measured)
         keys = k_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
         values = v_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
-        mask = _window_mask(meta.decode_mask, meta.decode_lengths, keys.shape[1], window)
+        mask = _key_mask(meta.decode_lengths, keys.shape[1], window)
         out[:b] = _decode_attention(q[:b], keys, values, mask, scale)
     row = b
     for s, table in meta.prefills:
