@@ -77,7 +77,7 @@ class DecodeGraphs:
         staged[3, :rows] = staged[1, :rows] + 1
         self._pad(staged, rows)
         self.host_tables[rows:size] = 0
-        self.inputs[:, :size].copy_(staged[:, :size], non_blocking=True)
+        self.inputs.copy_(staged, non_blocking=True)  # whole (4 x largest, a few KiB): a contiguous copy
         self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)
         return self.replays[size]()[:rows]
 
