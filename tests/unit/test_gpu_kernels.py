@@ -12,7 +12,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from tokenmill.cache.kv_cache import KVSpec, PagedKVCache  # noqa: E402
 from tokenmill.kernels import gpu  # noqa: E402
+from tokenmill.layers.attention import SequenceSlice, _attend_paged, _causal_sdpa  # noqa: E402
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -60,6 +62,35 @@ def test_paged_decode_attention_matches_gathered_softmax(dtype: torch.dtype, hea
     expected = reference_decode(q, k_cache, v_cache, tables, lengths, scale, window)
     assert out.dtype == dtype
     torch.testing.assert_close(out.cpu().float(), expected, atol=tolerance(dtype), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 20])
+def test_paged_prefill_attention_matches_causal_attention_over_the_prefix(dtype: torch.dtype, window: int,
+                                                                          device: str) -> None:
+    """Three chunks in one launch: a prompt from position 0, a chunk after a cached prefix of 37 tokens, and one of
+    70 rows (three programs) after 5; each row sees the keys up to its own position (the window's last ones)."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim, block_size = 6, 2, 32, 16
+    chunks = [(0, 9), (37, 20), (5, 70)]  # (first position, rows)
+    width = 6
+    blocks = len(chunks) * width + 1
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim).to(dtype)
+    tables = torch.randperm(blocks - 1)[:len(chunks) * width].view(len(chunks), width) + 1
+    q = torch.randn(sum(n for _, n in chunks), heads, dim).to(dtype)
+    rows = [0, 9, 29, 99]
+    block_seq, block_row = gpu.prefill_blocks([n for _, n in chunks])
+    assert (block_seq, block_row) == ([0, 1, 2, 2, 2], [0, 0, 0, 32, 64])
+    meta = [torch.tensor(v) for v in ([start for start, _ in chunks], rows, block_seq, block_row)]
+    out = gpu.paged_prefill_attention(q.to(device), k_cache.to(device), v_cache.to(device), tables.to(device),
+                                      *(t.to(device) for t in meta), dim**-0.5, window)
+    scale = dim**-0.5
+    for i, (start, n) in enumerate(chunks):
+        keys = k_cache[tables[i]].reshape(-1, kv_heads, dim)[:start + n]
+        values = v_cache[tables[i]].reshape(-1, kv_heads, dim)[:start + n]
+        expected = _causal_sdpa(q[rows[i]:rows[i + 1]].float(), keys.float(), values.float(), start, scale, window)
+        torch.testing.assert_close(out[rows[i]:rows[i + 1]].cpu().float(), expected, atol=tolerance(dtype), rtol=0)
 
 
 def test_decode_splits_grow_with_the_context_and_stop_where_the_batch_fills_the_gpu() -> None:
@@ -118,3 +149,26 @@ def test_rope_store_kv_rotates_queries_and_keys_and_writes_the_pool_at_the_slots
     assert torch.equal(values[slots], v_part.reshape(tokens, kv_heads, dim))
     written = keys.abs().sum((1, 2)).nonzero().flatten()
     assert written.tolist() == sorted(slots.tolist())  # nothing beside the slots
+
+
+def test_the_prefill_batch_of_a_step_drives_the_kernel_to_the_per_chunk_result() -> None:
+    """PagedKVCache's batch (built on CUDA in place of the per-chunk tables) for a step of two decodes and two
+    chunks, one after a cached prefix, on the CPU: the kernel over it gives the torch path's attention."""
+    torch.manual_seed(5)
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=32, dtype=torch.float32)
+    cache = PagedKVCache(spec, torch.device("cpu"), num_blocks=40, block_size=16)
+    lengths = {0: 50, 1: 20, 2: 100, 3: 33}
+    for seq_id, n in lengths.items():
+        assert cache.reserve(seq_id, n, n)
+    cache.k.normal_()
+    cache.v.normal_()
+    slices = [SequenceSlice(0, 49, 1), SequenceSlice(1, 19, 1), SequenceSlice(2, 40, 60), SequenceSlice(3, 0, 33)]
+    meta = cache.prepare(slices)
+    assert meta.prefill_batch is None and len(meta.prefills) == 2  # the CPU's way
+    batch = cache._prefill_batch(slices[2:])
+    assert batch.starts.tolist() == [40, 0] and batch.rows.tolist() == [0, 60, 93]
+    assert batch.block_seq.tolist() == [0, 0, 1, 1] and batch.block_row.tolist() == [0, 32, 0, 32]
+    q = torch.randn(95, 4, 32)
+    torch_path = _attend_paged(0, q, meta, 32**-0.5, 0)
+    meta.prefill_batch, meta.prefills = batch, []
+    torch.testing.assert_close(_attend_paged(0, q, meta, 32**-0.5, 0)[2:], torch_path[2:], atol=1e-5, rtol=0)

@@ -18,7 +18,8 @@ import torch
 
 from tokenmill.cache.block_pool import BlockPool
 from tokenmill.cache.prefix_cache import RadixCache
-from tokenmill.layers.attention import ContiguousMetadata, PagedMetadata, SequenceSlice
+from tokenmill.kernels import gpu
+from tokenmill.layers.attention import ContiguousMetadata, PagedMetadata, PrefillBatch, SequenceSlice
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,9 @@ class PagedKVCache:
         rows = [s.num_tokens for s in decodes]
         tables = self._padded_tables(decodes).repeat_interleave(torch.tensor(rows, dtype=torch.long), dim=0)
         lengths = [p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)]
-        prefills = [(s, torch.tensor(self.tables[s.seq_id], device=self.device)) for s in slices[len(decodes):]]
+        chunks = slices[len(decodes):]
+        batch = self._prefill_batch(chunks) if chunks and self.device.type == "cuda" and gpu.available() else None
+        prefills = [] if batch else [(s, torch.tensor(self.tables[s.seq_id], device=self.device)) for s in chunks]
         row_tables = row_lengths = None
         if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
             rows_of = torch.tensor([s.num_tokens for s in slices])
@@ -139,8 +142,16 @@ class PagedKVCache:
             k_cache=self.k, v_cache=self.v, slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=sum(rows), decode_tables=tables.flatten().to(self.device),
             decode_lengths=torch.tensor(lengths, dtype=torch.long, device=self.device), prefills=prefills,
-            row_tables=row_tables, row_lengths=row_lengths,
+            row_tables=row_tables, row_lengths=row_lengths, prefill_batch=batch,
         )
+
+    def _prefill_batch(self, chunks: list[SequenceSlice]) -> PrefillBatch:
+        """The step's prefill chunks as one batch for the GPU kernel."""
+        block_seq, block_row = gpu.prefill_blocks([s.num_tokens for s in chunks])
+        rows = [0, *itertools.accumulate(s.num_tokens for s in chunks)]
+        small = torch.tensor([s.start for s in chunks] + rows + block_seq + block_row, dtype=torch.long)
+        small = small.to(self.device, non_blocking=True).split([len(chunks), len(rows), len(block_seq), len(block_row)])
+        return PrefillBatch(self._padded_tables(chunks).to(self.device, non_blocking=True), *small)
 
     def decode_rows(self, seq_ids: list[int], positions: list[int], tables: torch.Tensor) -> list[int]:
         """A decode step's rows for a CUDA graph's inputs (engine/graphs.py): each sequence's block table written

@@ -96,6 +96,63 @@ if triton is not None:
             tl.store(lse_ptr + (b * GROUP * tl.num_programs(1) + heads) * SPLITS + split, lse, mask=g < GROUP)
 
     @triton.jit
+    def _prefill_attention_kernel(
+            q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, rows_ptr, block_seq_ptr, block_row_ptr, scale,
+            window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
+            GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """One program: BLOCK_M query rows of one prefill chunk, one query head. The chunk's rows sit at positions
+        start.. of its sequence; each sees the keys up to its own position (the last `window` of them on a sliding
+        layer), read through the sequence's block table: the cached prefix and the chunk alike."""
+        block, head = tl.program_id(0), tl.program_id(1)
+        seq = tl.load(block_seq_ptr + block)
+        first_row = tl.load(block_row_ptr + block)
+        row0 = tl.load(rows_ptr + seq)
+        count = tl.load(rows_ptr + seq + 1) - row0
+        start = tl.load(starts_ptr + seq)
+        m = first_row + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, DIM_PAD)
+        positions = start + m
+        q_mask = (m[:, None] < count) & (d[None, :] < DIM)
+        q = tl.load(q_ptr + (row0 + m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :], mask=q_mask,
+                    other=0.0)
+        kv_head = head // GROUP
+        hi = tl.minimum(start + first_row + BLOCK_M, start + count)  # past the block's last row: no key it sees
+        lo = tl.where(window > 0, tl.maximum(start + first_row - window + 1, 0), 0) // BLOCK_N * BLOCK_N
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            exists = n < hi
+            table_block = tl.load(tables_ptr + seq * stride_tb + n // BLOCK_SIZE, mask=exists, other=0)
+            key_rows = table_block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+            kv_mask = exists[:, None] & (d[None, :] < DIM)
+            k = tl.load(k_ptr + key_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + key_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            sees = exists[None, :] & (n[None, :] <= positions[:, None])
+            sees &= (window <= 0) | (n[None, :] > positions[:, None] - window)
+            s = tl.where(sees, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing in this tile yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
+                                                    input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (row0 + m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
     def _combine_kernel(part_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
                         SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr):
         """The splits of one sequence's head, weighted by their share of the softmax's mass."""
@@ -207,6 +264,37 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _combine_kernel[(b, heads)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
                                     out.stride(1), SPLITS=splits, SPLITS_PAD=max(2, _pow2(splits)), DIM=dim,
                                     DIM_PAD=_pow2(dim))
+    return out
+
+
+PREFILL_BLOCK_M = 32  # query rows a prefill program takes
+
+
+def prefill_blocks(rows: list[int]) -> tuple[list[int], list[int]]:
+    """For paged_prefill_attention: each program's chunk and first row, over chunks of rows[i] query rows."""
+    seq: list[int] = []
+    first: list[int] = []
+    for i, n in enumerate(rows):
+        starts = range(0, n, PREFILL_BLOCK_M)
+        seq += [i] * len(starts)
+        first += starts
+    return seq, first
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                            starts: torch.Tensor, rows: torch.Tensor, block_seq: torch.Tensor,
+                            block_row: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Prefill chunks of several sequences in one launch. q: [tokens, heads, dim], the chunks one after another;
+    tables: [chunks, width] block ids; starts: [chunks] the position of each chunk's first row; rows: [chunks + 1]
+    where each chunk's rows begin in q (and the end); block_seq, block_row: prefill_blocks' map of the programs."""
+    heads, dim = q.shape[1], q.shape[2]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _prefill_attention_kernel[(block_seq.shape[0], heads)](
+        q, k_cache, v_cache, out, tables, starts, rows, block_seq, block_row, scale, window, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        GROUP=heads // k_cache.shape[2], DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32 or _INTERPRETING)
     return out
 
 

@@ -28,6 +28,19 @@ class SequenceSlice:
 
 
 @dataclass
+class PrefillBatch:
+    """A step's prefill chunks for one launch of the GPU kernel (kernels/gpu.py): their block tables [chunks, width],
+    the position of each chunk's first row, where each chunk's rows begin among the prefill rows (and where the last
+    ends), and the map of the kernel's programs (gpu.prefill_blocks)."""
+
+    tables: torch.Tensor
+    starts: torch.Tensor
+    rows: torch.Tensor
+    block_seq: torch.Tensor
+    block_row: torch.Tensor
+
+
+@dataclass
 class PagedMetadata:
     """A step over a paged pool. Decode rows (one new token of a sequence each, or the tokens of an as_decodes
     slice, one row each) come first in the flat batch."""
@@ -38,12 +51,14 @@ class PagedMetadata:
     num_decodes: int
     decode_tables: torch.Tensor  # [decodes * max blocks]: each row's block table, flat, padded with the null block
     decode_lengths: torch.Tensor  # [decodes]: keys each row sees, its own token's included
-    prefills: list[tuple[SequenceSlice, torch.Tensor]]  # (slice, its block table), for the rest
+    # The rest, each (slice, its block table); on CUDA with the GPU kernels, all of them as one batch instead.
+    prefills: list[tuple[SequenceSlice, torch.Tensor]]
     # Deterministic mode: every row's block table [tokens, width] and key count (its position + 1), so that a
     # prompt's rows attend through the decode kernel, whatever the chunking, and a row's result is the same bits
     # whether it was prefilled or decoded.
     row_tables: torch.Tensor | None = None
     row_lengths: torch.Tensor | None = None
+    prefill_batch: PrefillBatch | None = None
 
 
 @dataclass
@@ -154,6 +169,11 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
         values = v_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
         mask = _key_mask(meta.decode_lengths, keys.shape[1], window)
         out[:b] = _decode_attention(q[:b], keys, values, mask, scale)
+    batch = meta.prefill_batch
+    if batch is not None:
+        out[b:] = gpu.paged_prefill_attention(q[b:], k_cache, v_cache, batch.tables, batch.starts, batch.rows,
+                                              batch.block_seq, batch.block_row, scale, window)
+        return out
     row = b
     for s, table in meta.prefills:
         end = s.start + s.num_tokens
