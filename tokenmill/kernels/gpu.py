@@ -43,6 +43,27 @@ def _pow2(n: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _online_softmax(q, k, v, sees, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+        """One tile of keys into a running softmax: the scores of q's rows against k where `sees`, the rows' running
+        max m_i and sum l_i, and acc, their weighted values so far. IEEE: in fp32 (tl.dot would round fp32 inputs to
+        tf32), which Triton's interpreter needs for bf16 too (its bf16 dot is wrong)."""
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(sees, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_attention_kernel(
             q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, lse_ptr, scale, window, keys_per_split,
             stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
@@ -73,21 +94,7 @@ if triton is not None:
             kv_mask = valid[:, None] & (d[None, :] < DIM)
             k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:  # fp32 (tl.dot would round its inputs to tf32), and Triton's interpreter, whose bf16 dot is wrong
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                                                    input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(q, k, v, valid[None, :], scale, m_i, l_i, acc, IEEE)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -130,24 +137,9 @@ if triton is not None:
             kv_mask = exists[:, None] & (d[None, :] < DIM)
             k = tl.load(k_ptr + key_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + key_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
             sees = exists[None, :] & (n[None, :] <= positions[:, None])
             sees &= (window <= 0) | (n[None, :] > positions[:, None] - window)
-            s = tl.where(sees, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing in this tile yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                                                    input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(q, k, v, sees, scale, m_i, l_i, acc, IEEE)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (row0 + m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
