@@ -22,6 +22,14 @@ def make(seq_id: int, prompt_len: int, max_tokens: int = 8, prompt: list[int] | 
                     params=SamplingParams(max_tokens=max_tokens), detokenizer=None, sink=lambda _: None)
 
 
+def test_a_sequence_s_tokens_from_its_prompt_its_output_and_across_both() -> None:
+    seq = make(0, 0, prompt=[10, 11, 12])
+    seq.output_ids = [20, 21]
+    every = [10, 11, 12, 20, 21]
+    assert [seq.tokens(a, b) for a, b in [(0, 2), (3, 5), (4, 5), (1, 4), (0, 5)]] == [
+        every[a:b] for a, b in [(0, 2), (3, 5), (4, 5), (1, 4), (0, 5)]]
+
+
 def new_scheduler(kv, attention_crossover: int = 0, **config) -> Scheduler:
     """No long-prompt cap unless a test sets one."""
     defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=0, long_prefill_chunk=0)

@@ -102,4 +102,6 @@ class Sequence:
         prompt_len = len(self.prompt_ids)
         if end <= prompt_len:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= prompt_len:  # a decode step's: no copy of the whole sequence
+            return self.output_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_ids[start:] + self.output_ids[:end - prompt_len]
