@@ -172,3 +172,20 @@ def test_the_prefill_batch_of_a_step_drives_the_kernel_to_the_per_chunk_result()
     torch_path = _attend_paged(0, q, meta, 32**-0.5, 0)
     meta.prefill_batch, meta.prefills = batch, []
     torch.testing.assert_close(_attend_paged(0, q, meta, 32**-0.5, 0)[2:], torch_path[2:], atol=1e-5, rtol=0)
+
+
+def test_every_kernel_runs_at_start_and_a_failing_one_falls_back_to_torch(device: str, monkeypatch, caplog) -> None:
+    """ready(): each kernel once, in fp32 and bf16, on this device; an error means torch's ops, said in one line."""
+    assert gpu.ready(torch.device(device))
+    gpu.ready.cache_clear()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such instruction\nmore detail")
+
+    monkeypatch.setattr(gpu, "silu_mul", broken)
+    try:
+        assert not gpu.ready(torch.device(device))
+        assert "GPU kernels unavailable" in caplog.text and "no such instruction" in caplog.text
+        assert "more detail" not in caplog.text
+    finally:
+        gpu.ready.cache_clear()

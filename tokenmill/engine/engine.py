@@ -100,7 +100,7 @@ class Engine:
         c = self.config
         if loaded.device.type != "cuda" or c.enforce_eager or not isinstance(self.kv_cache, PagedKVCache):
             return None
-        if not gpu.available():
+        if not gpu.ready(loaded.device):
             log.info("decode steps run op by op: CUDA graphs need the Triton kernels (kernels/gpu.py), not here")
             return None
         return DecodeGraphs(loaded.model, self.kv_cache, c.max_num_seqs, self.max_model_len)

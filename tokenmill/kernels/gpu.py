@@ -9,11 +9,14 @@ is imported: tests/conftest.py) against plain PyTorch.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from tokenmill.kernels import DISABLE_ENV
+
+log = logging.getLogger(__name__)
 
 try:
     import triton
@@ -29,8 +32,50 @@ def available() -> bool:
 
 
 def runs(x: torch.Tensor) -> bool:
-    """Whether x's op takes these kernels: x is on a CUDA device and they are available."""
-    return x.is_cuda and available()
+    """Whether x's op takes these kernels: x is on a CUDA device where they work."""
+    return x.is_cuda and ready(x.device)
+
+
+@functools.cache
+def ready(device: torch.device) -> bool:
+    """The kernels are available and each ran once on this device, on small inputs in fp32 and bf16, to finite
+    results; else (a Triton too old for them, a GPU it cannot build for) torch's own ops run, and one log line says
+    why. Triton caches what it compiles here, so a later start compiles nothing."""
+    if not available():
+        return False
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            if not all(bool(out.isfinite().all()) for out in _each_kernel(device, dtype)):
+                raise RuntimeError(f"a kernel gave non-finite results in {dtype}")
+    except Exception as exc:  # a compile or launch error: every cause means the same fallback
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("GPU kernels unavailable on %s (%s): torch's own ops, and no CUDA graphs", device, reason[:300])
+        return False
+    return True
+
+
+def _each_kernel(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every kernel once on small random inputs (a decode long enough to split, a prefill after a prefix)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    def ints(*values: int | list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    k_cache, v_cache = rand(41, 16, 2, 64), rand(41, 16, 2, 64)
+    tables = torch.arange(1, 41, device=device).view(2, 20)
+    block_seq, block_row = prefill_blocks([3, 40])
+    cos, sin = rand(2, 1, 32).float(), rand(2, 1, 32).float()
+    return [
+        paged_decode_attention(rand(2, 4, 64), k_cache, v_cache, tables, ints(300, 7), 0.125),
+        paged_prefill_attention(rand(43, 4, 64), k_cache, v_cache, tables, ints(0, 100), ints(0, 3, 43),
+                                ints(*block_seq), ints(*block_row), 0.125, window=50),
+        rms_norm(rand(3, 64), rand(64), 1e-5, rand(3, 64)),
+        silu_mul(rand(3, 128)),
+        rope_store_kv(rand(2, 8 * 64), cos, sin, k_cache, v_cache, ints(5, 600), 4, 2),
+    ]
 
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
