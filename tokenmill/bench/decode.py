@@ -71,7 +71,8 @@ async def _profiled(engine: Engine, prompt_ids: list[int], steps: int):
     await anext(outputs)
     await anext(outputs)
     count = 0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    gpu = engine.runner.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
         while count < steps:
             count += len((await anext(outputs)).token_ids)
     async for _ in outputs:
@@ -88,7 +89,8 @@ def _profile(engine: Engine, prompt_ids: list[int], steps: int = 16) -> str:
     def timed(plan):
         started = time.perf_counter()
         out = original(plan)
-        torch.cuda.synchronize()
+        if out.is_cuda:
+            torch.cuda.synchronize()
         walls.append(time.perf_counter() - started)
         return out
 
@@ -125,7 +127,7 @@ def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads
         if prefill:
             vocab = engine.tokenizer.vocab_size
             result["prefill"] = [asyncio.run(_prefill(engine, vocab, seed)) for seed in range(runs)]
-        if profile and engine.runner.device.type == "cuda":
+        if profile:
             result["profile"] = _profile(engine, prompt_ids)
         return result
     finally:
@@ -144,7 +146,7 @@ def main() -> None:
     parser.add_argument("--graphs", choices=["on", "off", "both"], default="on",
                         help="CUDA graphs of decode steps (off: --enforce-eager; both: each, in its own process)")
     parser.add_argument("--prefill", action="store_true", help="also time 8 prompts of 1,000 tokens")
-    parser.add_argument("--profile", action="store_true", help="CUDA: a profile of one-stream decode steps")
+    parser.add_argument("--profile", action="store_true", help="profile one-stream decode steps (kernels: CUDA)")
     parser.add_argument("--no-quantized-weights", dest="quantized", action="store_false",
                         help="dequantize GGUF weights at load (the A/B of the quantized kernels)")
     args = parser.parse_args()
