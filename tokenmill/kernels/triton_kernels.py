@@ -1,0 +1,181 @@
+"""tokenmill's Triton kernels; kernels/gpu.py launches them. A module of its own, imported on first use: importing
+Triton slowed the CPU path's decode by ~5% (measured on SmolLM2, 2 threads), so a CPU run never does."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_softmax(q, k, v, sees, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One tile of keys into a running softmax: the scores of q's rows against k where `sees`, the rows' running
+    max m_i and sum l_i, and acc, their weighted values so far. IEEE: in fp32 (tl.dot would round fp32 inputs to
+    tf32), which Triton's interpreter needs for bf16 too (its bf16 dot is wrong)."""
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(sees, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+@triton.jit
+def decode_attention(
+        q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, lse_ptr, scale, window, keys_per_split,
+        stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    """One program: one sequence, one KV head (its GROUP query heads together), one split of the keys. Keys are
+    read through the block table, BLOCK_N at a time, with an online softmax. SPLITS > 1 writes each split's
+    normalized output and log-sum-exp for combine_splits; SPLITS == 1 writes the result."""
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(lengths_ptr + b)
+    first = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # a sliding layer: the last `window` keys
+    start = split * keys_per_split  # keys_per_split is a multiple of BLOCK_N
+    lo = tl.maximum(start, first // BLOCK_N * BLOCK_N)
+    hi = tl.minimum(start + keys_per_split, length)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):  # every tile holds a key to see: first lies in the first one
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = (n < hi) & (n >= first)
+        block = tl.load(tables_ptr + b * stride_tb + n // BLOCK_SIZE, mask=n < hi, other=0)
+        rows = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_mask = valid[:, None] & (d[None, :] < DIM)
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = online_softmax(q, k, v, valid[None, :], scale, m_i, l_i, acc, IEEE)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if SPLITS > 1:  # an empty split's log-sum-exp is -inf: no weight in the combine
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (b * GROUP * tl.num_programs(1) + heads) * SPLITS + split, lse, mask=g < GROUP)
+
+@triton.jit
+def prefill_attention(
+        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, rows_ptr, block_seq_ptr, block_row_ptr, scale,
+        window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
+        GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One program: BLOCK_M query rows of one prefill chunk, one query head. The chunk's rows sit at positions
+    start.. of its sequence; each sees the keys up to its own position (the last `window` of them on a sliding
+    layer), read through the sequence's block table: the cached prefix and the chunk alike."""
+    block, head = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(block_seq_ptr + block)
+    first_row = tl.load(block_row_ptr + block)
+    row0 = tl.load(rows_ptr + seq)
+    count = tl.load(rows_ptr + seq + 1) - row0
+    start = tl.load(starts_ptr + seq)
+    m = first_row + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, DIM_PAD)
+    positions = start + m
+    q_mask = (m[:, None] < count) & (d[None, :] < DIM)
+    q = tl.load(q_ptr + (row0 + m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :], mask=q_mask,
+                other=0.0)
+    kv_head = head // GROUP
+    hi = tl.minimum(start + first_row + BLOCK_M, start + count)  # past the block's last row: no key it sees
+    lo = tl.where(window > 0, tl.maximum(start + first_row - window + 1, 0), 0) // BLOCK_N * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        exists = n < hi
+        table_block = tl.load(tables_ptr + seq * stride_tb + n // BLOCK_SIZE, mask=exists, other=0)
+        key_rows = table_block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_mask = exists[:, None] & (d[None, :] < DIM)
+        k = tl.load(k_ptr + key_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + key_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        sees = exists[None, :] & (n[None, :] <= positions[:, None])
+        sees &= (window <= 0) | (n[None, :] > positions[:, None] - window)
+        m_i, l_i, acc = online_softmax(q, k, v, sees, scale, m_i, l_i, acc, IEEE)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (row0 + m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+@triton.jit
+def combine_splits(part_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+                    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """The splits of one sequence's head, weighted by their share of the softmax's mass."""
+    b, head, heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    lse = tl.load(lse_ptr + (b * heads + head) * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, 0))  # a sequence has a key, so some split's lse is finite
+    mask = (s[:, None] < SPLITS) & (d[None, :] < DIM)
+    part = tl.load(part_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :], mask=mask,
+                   other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < DIM)
+
+@triton.jit
+def rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One row. With a residual, x + residual is rounded to x's dtype and written back into x (the residual
+    stream, as torch's x = x + residual would hold it), and the norm is of that sum."""
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    mask = c < cols
+    x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * stride_x + c, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / cols + eps)
+    w = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + c, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+@triton.jit
+def silu_mul(x_ptr, out_ptr, stride_x, stride_o, cols, BLOCK: tl.constexpr):
+    """silu(gate) * up of one row's [gate | up], BLOCK columns a program."""
+    row, part = tl.program_id(0), tl.program_id(1)
+    c = part * BLOCK + tl.arange(0, BLOCK)
+    mask = c < cols
+    gate = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + cols + c, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_o + c, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+@triton.jit
+def rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_qkv,
+                          stride_cos, stride_q, stride_slot, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                          DIM: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One token's head: a query head is rotated into q; a KV head's key is rotated and its value copied into the
+    pool at the token's slot. Rotate-half RoPE in fp32."""
+    token, head = tl.program_id(0), tl.program_id(1)
+    half = DIM // 2
+    i = tl.arange(0, HALF_PAD)
+    mask = i < half
+    cos = tl.load(cos_ptr + token * stride_cos + i, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_cos + i, mask=mask, other=0.0)
+    src = qkv_ptr + token * stride_qkv + head * DIM
+    x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + i, mask=mask, other=0.0).to(tl.float32)
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+    if head < HEADS:
+        dst = q_ptr + token * stride_q + head * DIM
+    else:
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        dst = k_cache_ptr + slot * stride_slot + (head - HEADS) * DIM
+        v_src = src + KV_HEADS * DIM
+        v_dst = v_cache_ptr + slot * stride_slot + (head - HEADS) * DIM
+        tl.store(v_dst + i, tl.load(v_src + i, mask=mask), mask=mask)
+        tl.store(v_dst + half + i, tl.load(v_src + half + i, mask=mask), mask=mask)
+    tl.store(dst + i, r1.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half + i, r2.to(q_ptr.dtype.element_ty), mask=mask)
