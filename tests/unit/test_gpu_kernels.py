@@ -46,6 +46,7 @@ def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (9, 3, 64, 40, 0),  # SmolLM2's heads; 640 keys: split in 3
     (4, 1, 32, 5, 0),  # one split
     (8, 2, 64, 30, 100),  # a sliding window, across splits
+    (4, 1, 256, 20, 50),  # Gemma 3's wide heads: 16-key tiles, a window
 ])
 def test_paged_decode_attention_matches_gathered_softmax(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                                                           width: int, window: int, device: str) -> None:
@@ -66,12 +67,13 @@ def test_paged_decode_attention_matches_gathered_softmax(dtype: torch.dtype, hea
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [0, 20])
-def test_paged_prefill_attention_matches_causal_attention_over_the_prefix(dtype: torch.dtype, window: int,
+@pytest.mark.parametrize("dim", [32, 256])  # 256: Gemma 3's, in narrower key tiles
+def test_paged_prefill_attention_matches_causal_attention_over_the_prefix(dtype: torch.dtype, window: int, dim: int,
                                                                           device: str) -> None:
     """Three chunks in one launch: a prompt from position 0, a chunk after a cached prefix of 37 tokens, and one of
     70 rows (three programs) after 5; each row sees the keys up to its own position (the window's last ones)."""
     torch.manual_seed(4)
-    heads, kv_heads, dim, block_size = 6, 2, 32, 16
+    heads, kv_heads, block_size = 6, 2, 16
     chunks = [(0, 9), (37, 20), (5, 70)]  # (first position, rows)
     width = 6
     blocks = len(chunks) * width + 1

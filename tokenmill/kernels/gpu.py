@@ -37,8 +37,14 @@ def _kernels() -> ModuleType:
 
 
 def runs(x: torch.Tensor) -> bool:
-    """Whether x's op takes these kernels: x is on a CUDA device where they work."""
+    """Whether x's op takes these kernels: x is on a CUDA device where they work. Checked before the CPU's kernels
+    (tests/model/test_gpu_path.py runs the model through these on the CPU by making it True)."""
     return x.is_cuda and ready(x.device)
+
+
+def serves(device: torch.device) -> bool:
+    """runs() for the tensors a step will put on device."""
+    return device.type == "cuda" and ready(device)
 
 
 @functools.cache
@@ -90,9 +96,21 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-KEYS_PER_SPLIT = 256  # the fewest keys a split takes (a multiple of BLOCK_N)
-BLOCK_N = 64
+KEYS_PER_SPLIT = 256  # the fewest keys a split takes (a multiple of any key tile)
 MAX_SPLITS = 32
+
+
+def _key_tile(dim: int, dtype: torch.dtype) -> int:
+    """Keys an attention program loads at a time: 64 of a 64-wide bf16 head, fewer of a wider head or in fp32, so
+    its pipelined K and V tiles stay within a consumer GPU's shared memory (99 KB on sm_86 and sm_89; a 256-wide
+    head at 64 keys took 152 KB in fp32). At least 16: tl.dot's smallest side."""
+    return max(16, min(64, 8192 // (max(16, _pow2(dim)) * dtype.itemsize)))
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    """Attention's dots in fp32: fp32 inputs (else tl.dot would round them to tf32), or the interpreter, whose bf16
+    dot is wrong (triton_kernels.online_softmax)."""
+    return dtype == torch.float32 or _INTERPRETING
 
 
 def decode_splits(batch: int, kv_heads: int, max_keys: int) -> int:
@@ -111,7 +129,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     splits = decode_splits(b, kv_heads, tables.shape[1] * block_size)
-    keys_per_split = -(-tables.shape[1] * block_size // splits // BLOCK_N) * BLOCK_N
+    block_n = _key_tile(dim, q.dtype)
+    keys_per_split = -(-tables.shape[1] * block_size // splits // block_n) * block_n
     out = torch.empty_like(q)
     part, lse = out[:, :, None], out  # SPLITS == 1: the result directly (lse unused)
     if splits > 1:
@@ -123,7 +142,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2),
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=block_size,
-        BLOCK_N=BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32 or _INTERPRETING)
+        BLOCK_N=block_n, SPLITS=splits, IEEE=_ieee(q.dtype))
     if splits > 1:
         _kernels().combine_splits[(b, heads)](
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
@@ -158,7 +177,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, out, tables, starts, rows, block_seq, block_row, scale, window, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         GROUP=heads // k_cache.shape[2], DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32 or _INTERPRETING)
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=_key_tile(dim, q.dtype), IEEE=_ieee(q.dtype),
+        num_warps=8 if dim > 128 else 4)  # a wide head's accumulator: 4 warps spilled registers in fp32
     return out
 
 

@@ -1,0 +1,134 @@
+"""The GPU kernels built by Triton's own compiler, for GPUs this machine lacks. Triton's interpreter
+(test_gpu_kernels.py) checks what the kernels compute, but it runs them as Python: a kernel it accepts may still fail
+to compile, or ask for more shared memory than a GPU gives a program, and then a GPU server falls back to torch's
+ops (gpu.ready). So each launch kernels/gpu.py makes is compiled here, ahead of time, through Triton's own binder
+(the argument specialisation a launch on a GPU gets), for the head shapes of the models tokenmill serves. It
+found Gemma 3's 256-wide heads taking 152 KB of shared memory in fp32, past what an RTX 4090 gives (gpu._key_tile).
+
+The builds run in child processes: the test session's conftest put Triton in interpreter mode before importing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# heads, KV heads, head dim, hidden size, MLP width
+SHAPES = {
+    "SmolLM2-135M": (9, 3, 64, 576, 1536),
+    "TinyLlama-1.1B": (32, 4, 64, 2048, 5632),
+    "Gemma-3-270M": (4, 1, 256, 640, 2048),
+    "Llama-3-8B": (32, 8, 128, 4096, 14336),
+}
+# The most shared memory a program gets on sm_86 and sm_89 (RTX 30 and 40 series, L4, A10): 99 KiB, the least of
+# the GPUs Triton builds bf16 dots for. An H100 gives 227 KiB.
+SHARED_LIMIT = 99 * 1024
+
+
+def _ptxas() -> Path | None:
+    try:
+        import triton.backends.nvidia as nvidia
+    except ImportError:
+        return None
+    path = Path(nvidia.__file__).parent / "bin" / "ptxas"
+    return path if path.exists() else None
+
+
+DTYPES = ("bfloat16", "float32")
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, list[tuple[str, str, int]]]:
+    """Each dtype's builds for sm_90 (H100, H200), the two child processes side by side."""
+    if _ptxas() is None:
+        pytest.skip("Triton with its CUDA compiler (ptxas) is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    children = {dtype: subprocess.Popen([sys.executable, __file__, "90", dtype], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env) for dtype in DTYPES}
+    results = {}
+    for dtype, child in children.items():
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err[-3000:]
+        results[dtype] = [tuple(build) for build in json.loads(out.splitlines()[-1])]
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_launch_compiles_for_an_h100(builds: dict[str, list[tuple[str, str, int]]], dtype: str) -> None:
+    assert {model for model, _, _ in builds[dtype]} == set(SHAPES)
+    assert {kernel for _, kernel, _ in builds[dtype]} == {
+        "decode_attention", "combine_splits", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_kernel_fits_a_consumer_gpus_shared_memory(builds: dict[str, list[tuple[str, str, int]]],
+                                                        dtype: str) -> None:
+    too_big = [build for build in builds[dtype] if build[2] > SHARED_LIMIT]
+    assert not too_big, f"shared memory past {SHARED_LIMIT} bytes: {too_big}"
+
+
+def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int]]:
+    """(model, kernel, shared memory in bytes) of each launch gpu.py's functions make for each model's shapes,
+    compiled for sm_<arch>: the launches go to Triton's compiler instead of a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from tokenmill.kernels import gpu, triton_kernels
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    builds: list[tuple[str, str, int]] = []
+
+    class Compiling:
+        """Stands in for the kernels module: `kernel[grid](*args)` compiles the kernel for those arguments, as a
+        build for `model`."""
+
+        model = ""
+
+        def __getattr__(self, name: str) -> object:
+            fn = getattr(triton_kernels, name)
+
+            def launch(*args: object, **kwargs: object) -> None:
+                bind = create_function_from_signature(fn.signature, fn.params, backend)
+                bound, specialization, options = bind(*args, **kwargs)
+                options, signature, constexprs, attrs = fn._pack_args(backend, options, bound, specialization,
+                                                                      options)
+                kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                        options=options.__dict__)
+                builds.append((self.model, name, kernel.metadata.shared))
+
+            return type("Launch", (), {"__getitem__": lambda self, grid: launch})()
+
+    compiling = Compiling()
+    gpu._kernels = lambda: compiling  # type: ignore[assignment,return-value]
+
+    def empty(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype)
+
+    def ids(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=torch.long)
+
+    for compiling.model, (heads, kv_heads, dim, hidden, width) in SHAPES.items():
+        cache = empty(64, 16, kv_heads, dim)
+        gpu.paged_decode_attention(empty(1, heads, dim), cache, cache, ids(1, 64), ids(1) + 1, 0.1)  # split keys
+        gpu.paged_decode_attention(empty(256, heads, dim), cache, cache, ids(256, 4), ids(256) + 1, 0.1)  # one
+        gpu.paged_prefill_attention(empty(40, heads, dim), cache, cache, ids(2, 8), ids(2), torch.tensor([0, 20, 40]),
+                                    ids(2), ids(2), 0.1, window=512)
+        gpu.rms_norm(empty(3, hidden), empty(hidden), 1e-6, empty(3, hidden))
+        gpu.rms_norm(empty(3, hidden), empty(hidden), 1e-6)
+        gpu.silu_mul(empty(3, 2 * width))
+        rope = torch.empty(3, 1, dim // 2)
+        gpu.rope_store_kv(empty(3, (heads + 2 * kv_heads) * dim), rope, rope, cache, cache, ids(3), heads, kv_heads)
+    return builds
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_launches(int(sys.argv[1]), getattr(torch, sys.argv[2]))))
