@@ -130,8 +130,7 @@ class PagedKVCache:
         tables = self._padded_tables(decodes).repeat_interleave(torch.tensor(rows, dtype=torch.long), dim=0)
         lengths = [p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)]
         chunks = slices[len(decodes):]
-        on_gpu = self.device.type == "cuda" and gpu.ready(self.device)  # the GPU kernels: one batch of chunks
-        batch = self._prefill_batch(chunks) if chunks and on_gpu else None
+        batch = self._prefill_batch(chunks) if chunks and gpu.serves(self.device) else None  # one kernel launch
         prefills = [] if batch else [(s, torch.tensor(self.tables[s.seq_id], device=self.device)) for s in chunks]
         row_tables = row_lengths = None
         if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position

@@ -149,12 +149,12 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
     if meta.row_tables is not None:  # deterministic: one kernel for every row (checked at load: it is built)
         return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.row_tables, meta.row_lengths,
                                                           scale, window)
-    if b == q.shape[0] and q.device.type == "cpu" and kernels.load():  # decodes only: the kernel's output is all
-        return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1),
-                                                          meta.decode_lengths, scale, window)
-    if b == q.shape[0] and gpu.runs(q):
+    if b == q.shape[0] and gpu.runs(q):  # decodes only: the kernel's output is all
         return gpu.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1), meta.decode_lengths,
                                           scale, window)
+    if b == q.shape[0] and q.device.type == "cpu" and kernels.load():
+        return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1),
+                                                          meta.decode_lengths, scale, window)
     out = torch.empty_like(q)
     if b and gpu.runs(q):
         out[:b] = gpu.paged_decode_attention(q[:b], k_cache, v_cache, meta.decode_tables.view(b, -1),

@@ -82,10 +82,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if not self.gelu and gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp)
-            return self.down_proj(torch.ops.tokenmill.silu_mul(gate_up))
         if not self.gelu and gpu.runs(gate_up):
             return self.down_proj(gpu.silu_mul(gate_up))
+        if not self.gelu and gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp)
+            return self.down_proj(torch.ops.tokenmill.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)

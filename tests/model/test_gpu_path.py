@@ -1,0 +1,108 @@
+"""The CUDA path's Python, run here: the engine with every GPU kernel (kernels/gpu.py) where a GPU server takes them,
+the kernels running in Triton's interpreter on the CPU's tensors. test_gpu_kernels.py checks each kernel alone; this
+checks what feeds them in a real step (the block tables, the prefill batch, the pool's layout, the decode graphs'
+static buffers) and what their callers do with the results, against the torch ops, on a Llama and a Gemma 3 with
+sliding windows, with chunked prefills after shared prefixes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from helpers import assert_no_live_blocks, counted, generate, save_random_hf_model, start_engine
+
+from tokenmill.engine.graphs import DecodeGraphs
+from tokenmill.kernels import gpu
+from tokenmill.loader import LoadedModel, load_model
+from tokenmill.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not gpu.available() or os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs Triton's interpreter (on a GPU, tests/gpu runs the real thing)")
+
+SHARED = list(range(3, 36))  # 33 tokens: two full blocks the prefix cache shares, and one more
+PROMPTS = [SHARED + [50, 51], [9, 8, 7], SHARED + list(range(60, 70)), list(range(100, 120))]
+PARAMS = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
+          SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=8, ignore_eos=True)]
+
+
+def load(path: Path) -> LoadedModel:
+    """fp32 dense weights and no fused CPU decode layers: the layers a GPU runs, op for op."""
+    return load_model(str(path), dtype="float32", device="cpu", quantized=False, fused_decode=False)
+
+
+def run(loaded: LoadedModel, graphs: bool = False) -> list[list[int]]:
+    """PROMPTS' tokens: 16-token steps, so prompts are chunked and share steps with decodes; the last two prompts
+    arrive after the first two finished, so they start from the cached prefix."""
+    engine = start_engine(loaded, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=0)
+    if graphs:  # the static-buffer step CUDA graphs replay, run eagerly
+        engine.runner.graphs = DecodeGraphs(loaded.model, engine.kv_cache, 4, engine.max_model_len, capture=False)
+    try:
+        tokens = generate(engine, PROMPTS[:2], PARAMS[:2]) + generate(engine, PROMPTS[2:], PARAMS[2:])
+        assert counted(engine.metrics.prefix_hits) >= 32
+        assert_no_live_blocks(engine)
+    finally:
+        engine.stop()
+    return tokens
+
+
+@pytest.fixture
+def on_triton(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Every op that takes a GPU kernel on CUDA takes it here; gives the names of the kernels launched."""
+    launched: set[str] = set()
+    kernels = gpu._kernels()
+
+    class Counting:
+        def __getattr__(self, name: str) -> object:
+            launched.add(name)
+            return getattr(kernels, name)
+
+    monkeypatch.setattr(gpu, "_kernels", Counting)
+    monkeypatch.setattr(gpu, "runs", lambda x: True)
+    monkeypatch.setattr(gpu, "serves", lambda device: True)
+    return launched
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_gguf: Path) -> LoadedModel:
+    return load(tiny_gguf)
+
+
+@pytest.fixture(scope="module")
+def llama_tokens(llama: LoadedModel) -> list[list[int]]:
+    return run(llama)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A sliding layer over 8 keys (the prompts run past it) and a global one, with Gemma 3's 256-wide heads."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("gemma3-gpu-path")
+    save_random_hf_model(path, transformers.Gemma3TextConfig(
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=256, sliding_window=8, query_pre_attn_scalar=256,
+        max_position_embeddings=256, initializer_range=0.2,
+        layer_types=["sliding_attention", "full_attention"]), norm_noise=0.3)
+    return load(path)
+
+
+EVERY_KERNEL = {"decode_attention", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv"}
+
+
+def test_llama_steps_through_the_gpu_kernels_give_the_torch_ops_tokens(llama, llama_tokens, on_triton) -> None:
+    assert run(llama) == llama_tokens
+    assert on_triton == EVERY_KERNEL  # tables as wide as the batch's longest: no split of ~80 keys
+
+
+def test_the_decode_graphs_static_step_through_the_gpu_kernels(llama, llama_tokens, on_triton) -> None:
+    assert run(llama, graphs=True) == llama_tokens
+    assert on_triton == EVERY_KERNEL | {"combine_splits"}  # tables as wide as the context (512): split keys
+
+
+def test_gemma3_sliding_windows_through_the_gpu_kernels(gemma, monkeypatch) -> None:
+    expected = run(gemma)
+    launched = on_triton.__wrapped__(monkeypatch)
+    assert run(gemma) == expected
+    assert launched == EVERY_KERNEL - {"silu_mul", "rope_store_kv"}  # GeGLU, and q/k norms before RoPE: torch's ops
