@@ -191,6 +191,20 @@ def test_unseeded_requests_draw_from_the_servers_seed() -> None:
     assert sample(5) == sample(5) != sample(6)
 
 
+def test_a_batch_draws_what_its_rows_would_draw_one_at_a_time() -> None:
+    """The unseeded rows take the shared stream's numbers in row order (one draw for them all), a seeded row its
+    own stream's: steps of a batch sample what the same rows sampled one by one would."""
+    x = torch.zeros(3, VOCAB)  # every token equally likely: the token shows the draw
+
+    def rows() -> list[Sequence]:
+        return [seq(0, temperature=1.0), seq(1, temperature=1.0, seed=3), seq(2, temperature=1.0)]
+
+    batched, alone = new_sampler(5), new_sampler(5)
+    batch, single = rows(), rows()
+    for _ in range(10):
+        assert batched(x.clone(), batch)[0] == [alone(x[:1].clone(), [row])[0][0] for row in single]
+
+
 class PlacedOn(TorchFunctionMode):
     """Fails a tensor factory called without device=the logits' device: on a GPU, that tensor would be on the host
     (a CPU-only machine cannot tell otherwise)."""
@@ -215,10 +229,14 @@ def test_every_tensor_is_made_on_the_logits_device() -> None:
                     frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.2, logprobs=2, output=[1, 2]),
                 seq(1, temperature=1.0, logprobs=0), seq(2, temperature=0.0)]
 
+    def unseeded() -> list[Sequence]:  # their draws in one call
+        return [seq(0, temperature=0.7), seq(1, temperature=1.0)]
+
     x = logits(3)
-    with PlacedOn(x.device):
-        placed = new_sampler()(x.clone(), batch())
-    assert placed == new_sampler()(x.clone(), batch())
+    for rows in (batch, unseeded):
+        with PlacedOn(x.device):
+            placed = new_sampler()(x[:len(rows())].clone(), rows())
+        assert placed == new_sampler()(x[:len(rows())].clone(), rows())
 
 
 def test_a_draw_at_either_end_lands_on_a_token_that_can_be_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
