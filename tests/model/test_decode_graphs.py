@@ -4,6 +4,7 @@ tests/gpu/ captures and replays real graphs on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from helpers import assert_no_live_blocks, generate
 
 from tokenmill import kernels
 from tokenmill.config import EngineConfig
+from tokenmill.engine import engine as engine_module
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.graphs import DecodeGraphs, graph_sizes
+from tokenmill.kernels import gpu
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.sampling import SamplingParams
 
@@ -86,3 +89,24 @@ def test_the_static_tables_are_as_wide_as_the_longest_context(tiny) -> None:
     assert graphs.tables.shape == (4, -(-engine.max_model_len // engine.kv_cache.block_size))
     assert graphs.size_for(3) == 4 and graphs.size_for(1) == 1 and graphs.size_for(5) is None
     assert torch.equal(graphs.inputs[2], torch.full((4,), engine.kv_cache.scratch_slot))  # all padding at first
+
+
+def test_graphs_only_on_cuda_with_the_kernels_and_never_for_a_mixture_of_experts(tiny, monkeypatch) -> None:
+    """A MoE layer reads each expert's token count on the host (layers/moe.py), which a graph cannot capture: its
+    decode steps run op by op, as without the Triton kernels or with --enforce-eager."""
+    monkeypatch.setattr(engine_module, "DecodeGraphs", lambda *args: "graphs")
+    ready = {"cuda": True}
+    monkeypatch.setattr(gpu, "ready", lambda device: ready[device.type])
+    engine = Engine(EngineConfig(max_num_seqs=4), tiny)
+    engine.start()  # builds the paged pool the graphs would use
+    engine.stop()
+    on_cuda = dataclasses.replace(tiny, device=torch.device("cuda"))
+    assert engine._decode_graphs(on_cuda) == "graphs"
+    assert engine._decode_graphs(tiny) is None
+    moe = dataclasses.replace(tiny.config, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert engine._decode_graphs(dataclasses.replace(on_cuda, config=moe)) is None
+    ready["cuda"] = False
+    assert engine._decode_graphs(on_cuda) is None
+    ready["cuda"] = True
+    engine.config = dataclasses.replace(engine.config, enforce_eager=True)
+    assert engine._decode_graphs(on_cuda) is None

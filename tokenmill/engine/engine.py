@@ -103,6 +103,10 @@ class Engine:
         if not gpu.ready(loaded.device):
             log.info("decode steps run op by op: CUDA graphs need the Triton kernels (kernels/gpu.py), not here")
             return None
+        if loaded.config.num_experts:
+            log.info("decode steps run op by op: a mixture of experts routes on the host (layers/moe.py reads how "
+                     "many tokens each expert takes), which a CUDA graph cannot hold")
+            return None
         return DecodeGraphs(loaded.model, self.kv_cache, c.max_num_seqs, self.max_model_len)
 
     def _load(self, model: str, max_model_len: int | None) -> LoadedModel:
