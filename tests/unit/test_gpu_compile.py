@@ -29,6 +29,7 @@ SHAPES = {
 # The most shared memory a program gets on sm_86 and sm_89 (RTX 30 and 40 series, L4, A10): 99 KiB, the least of
 # the GPUs Triton builds bf16 dots for. An H100 gives 227 KiB.
 SHARED_LIMIT = 99 * 1024
+GROWING = "a growing context"
 
 
 def _ptxas() -> Path | None:
@@ -44,7 +45,7 @@ DTYPES = ("bfloat16", "float32")
 
 
 @pytest.fixture(scope="module")
-def builds() -> dict[str, list[tuple[str, str, int]]]:
+def builds() -> dict[str, list[tuple[str, str, int, str]]]:
     """Each dtype's builds for sm_90 (H100, H200), the two child processes side by side."""
     if _ptxas() is None:
         pytest.skip("Triton with its CUDA compiler (ptxas) is not installed")
@@ -60,22 +61,31 @@ def builds() -> dict[str, list[tuple[str, str, int]]]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_launch_compiles_for_an_h100(builds: dict[str, list[tuple[str, str, int]]], dtype: str) -> None:
-    assert {model for model, _, _ in builds[dtype]} == set(SHAPES)
-    assert {kernel for _, kernel, _ in builds[dtype]} == {
+def test_every_launch_compiles_for_an_h100(builds: dict[str, list[tuple[str, str, int, str]]], dtype: str) -> None:
+    assert {build[0] for build in builds[dtype]} == {*SHAPES, GROWING}
+    assert {build[1] for build in builds[dtype]} == {
         "decode_attention", "combine_splits", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_each_kernel_fits_a_consumer_gpus_shared_memory(builds: dict[str, list[tuple[str, str, int]]],
+def test_each_kernel_fits_a_consumer_gpus_shared_memory(builds: dict[str, list[tuple[str, str, int, str]]],
                                                         dtype: str) -> None:
     too_big = [build for build in builds[dtype] if build[2] > SHARED_LIMIT]
     assert not too_big, f"shared memory past {SHARED_LIMIT} bytes: {too_big}"
 
 
-def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int]]:
-    """(model, kernel, shared memory in bytes) of each launch gpu.py's functions make for each model's shapes,
-    compiled for sm_<arch>: the launches go to Triton's compiler instead of a GPU."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_growing_context_compiles_no_new_kernels(builds: dict[str, list[tuple[str, str, int, str]]],
+                                                   dtype: str) -> None:
+    """Steps op by op (--enforce-eager, prompt chunks) change the tables' width and the key splits as contexts grow:
+    as constexprs or specialized ints they compiled 39 decode kernels and 31 combines over 520 keys, a stall each."""
+    kernels = {(build[1], build[3]) for build in builds[dtype] if build[0] == GROWING}
+    assert len(kernels) <= 3  # decode writing its result, decode writing its splits, and their combine
+
+
+def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int, str]]:
+    """(model, kernel, shared memory in bytes, the build's hash) of each launch gpu.py's functions make for each
+    model's shapes, compiled for sm_<arch>: the launches go to Triton's compiler instead of a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -85,7 +95,7 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    builds: list[tuple[str, str, int]] = []
+    builds: list[tuple[str, str, int, str]] = []
 
     class Compiling:
         """Stands in for the kernels module: `kernel[grid](*args)` compiles the kernel for those arguments, as a
@@ -103,7 +113,7 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
                                                                       options)
                 kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                         options=options.__dict__)
-                builds.append((self.model, name, kernel.metadata.shared))
+                builds.append((self.model, name, kernel.metadata.shared, kernel.hash))
 
             return type("Launch", (), {"__getitem__": lambda self, grid: launch})()
 
@@ -127,6 +137,12 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
         gpu.silu_mul(empty(3, 2 * width))
         rope = torch.empty(3, 1, dim // 2)
         gpu.rope_store_kv(empty(3, (heads + 2 * kv_heads) * dim), rope, rope, cache, cache, ids(3), heads, kv_heads)
+    compiling.model = GROWING  # steps op by op: tables as wide as the longest context, which grows
+    heads, kv_heads, dim = SHAPES["SmolLM2-135M"][:3]
+    cache = empty(64, 16, kv_heads, dim)
+    for width in range(1, 520, 37):
+        for b in (1, 100):
+            gpu.paged_decode_attention(empty(b, heads, dim), cache, cache, ids(b, width), ids(b) + 1, 0.1)
     return builds
 
 

@@ -97,7 +97,7 @@ def _pow2(n: int) -> int:
 
 
 KEYS_PER_SPLIT = 256  # the fewest keys a split takes (a multiple of any key tile)
-MAX_SPLITS = 32
+MAX_SPLITS = 32  # a power of two: combine_splits loads that many, masked
 
 
 def _key_tile(dim: int, dtype: torch.dtype) -> int:
@@ -138,15 +138,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
     q = q.contiguous()
     _kernels().decode_attention[(b, kv_heads, splits)](
-        q, k_cache, v_cache, tables, lengths, part, lse, scale, window, keys_per_split,
+        q, k_cache, v_cache, tables, lengths, part, lse, scale, window, keys_per_split, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2),
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SPLITS=splits, IEEE=_ieee(q.dtype))
+        BLOCK_N=block_n, IEEE=_ieee(q.dtype))
     if splits > 1:
         _kernels().combine_splits[(b, heads)](
-            part, lse, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
-            SPLITS=splits, SPLITS_PAD=max(2, _pow2(splits)), DIM=dim, DIM_PAD=_pow2(dim))
+            part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
+            SPLITS_PAD=MAX_SPLITS, DIM=dim, DIM_PAD=_pow2(dim))
     return out
 
 

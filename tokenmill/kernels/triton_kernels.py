@@ -26,15 +26,17 @@ def online_softmax(q, k, v, sees, scale, m_i, l_i, acc, IEEE: tl.constexpr):
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
-@triton.jit
+@triton.jit(do_not_specialize=["keys_per_split", "splits", "stride_tb"])  # they vary with the step's longest context
 def decode_attention(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, lse_ptr, scale, window, keys_per_split,
+        q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, lse_ptr, scale, window, keys_per_split, splits,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One program: one sequence, one KV head (its GROUP query heads together), one split of the keys. Keys are
-    read through the block table, BLOCK_N at a time, with an online softmax. SPLITS > 1 writes each split's
-    normalized output and log-sum-exp for combine_splits; SPLITS == 1 writes the result."""
+    read through the block table, BLOCK_N at a time, with an online softmax. splits > 1 writes each split's
+    normalized output and log-sum-exp for combine_splits; splits == 1 writes the result. Neither splits nor the
+    table's width is a constexpr or specialized on: a step op by op, whose counts grow with its longest context,
+    reuses one compiled kernel (as constexprs, a growing context compiled 39 of them)."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + b)
     first = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # a sliding layer: the last `window` keys
@@ -61,11 +63,11 @@ def decode_attention(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    if SPLITS > 1:  # an empty split's log-sum-exp is -inf: no weight in the combine
+    if splits > 1:  # an empty split's log-sum-exp is -inf: no weight in the combine
         lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + (b * GROUP * tl.num_programs(1) + heads) * SPLITS + split, lse, mask=g < GROUP)
+        tl.store(lse_ptr + (b * GROUP * tl.num_programs(1) + heads) * splits + split, lse, mask=g < GROUP)
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])
 def prefill_attention(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, rows_ptr, block_seq_ptr, block_row_ptr, scale,
         window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
@@ -107,16 +109,17 @@ def prefill_attention(
     tl.store(out_ptr + (row0 + m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
-@triton.jit
-def combine_splits(part_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-                    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr):
-    """The splits of one sequence's head, weighted by their share of the softmax's mass."""
+@triton.jit(do_not_specialize=["splits"])
+def combine_splits(part_ptr, lse_ptr, out_ptr, splits, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+                   SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """The splits of one sequence's head, weighted by their share of the softmax's mass. SPLITS_PAD: the most
+    splits there can be, so every count shares one kernel."""
     b, head, heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
-    lse = tl.load(lse_ptr + (b * heads + head) * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+    lse = tl.load(lse_ptr + (b * heads + head) * splits + s, mask=s < splits, other=float("-inf"))
     weight = tl.exp(lse - tl.max(lse, 0))  # a sequence has a key, so some split's lse is finite
-    mask = (s[:, None] < SPLITS) & (d[None, :] < DIM)
+    mask = (s[:, None] < splits) & (d[None, :] < DIM)
     part = tl.load(part_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :], mask=mask,
                    other=0.0)
     out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
