@@ -137,7 +137,7 @@ def tiny_metadata(hidden: int = 64, context_length: int = 512, kv_heads: int = 2
             "rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5}
 
 
-def tiny_tensors(hidden: int = 64, seed: int = 0, kv_heads: int = 2) -> dict[str, np.ndarray]:
+def tiny_tensors(hidden: int = 64, seed: int = 0, kv_heads: int = 2, layers: int = 2) -> dict[str, np.ndarray]:
     """Random weights of the tiny model under their GGUF names (q and k as llama.cpp stores them)."""
     rng = np.random.default_rng(seed)
     ffn, heads, head_dim = 256, 4, hidden // 4
@@ -147,7 +147,7 @@ def tiny_tensors(hidden: int = 64, seed: int = 0, kv_heads: int = 2) -> dict[str
             np.float32)
 
     tensors = {"token_embd.weight": weight(len(TINY_TOKENS), hidden), "output_norm.weight": weight(hidden, norm=True)}
-    for i in range(2):
+    for i in range(layers):
         tensors |= {
             f"blk.{i}.attn_norm.weight": weight(hidden, norm=True),
             f"blk.{i}.attn_q.weight": weight(heads * head_dim, hidden),

@@ -65,6 +65,16 @@ def test_silu_mul_is_silu_of_the_gate_times_up(dtype: torch.dtype) -> None:
     assert torch.allclose(out.float(), F.silu(gate) * up, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_is_the_tanh_gelu_of_the_gate_times_up(dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(3, 2 * 300) * 4).to(dtype)  # past one chunk of 256
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    out = torch.ops.tokenmill.gelu_tanh_mul(gate_up)
+    assert out.dtype == dtype and out.shape == (3, 300)
+    torch.testing.assert_close(out.float(), F.gelu(gate, approximate="tanh") * up, atol=4 * TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
 def write_model(path: Path, qtype: QType, bias: bool) -> Path:
     """The tiny Llama of the tests (hidden 256, 4 heads of 64, 2 KV heads), quantized; with q/k/v biases (Qwen2's
     projections) when asked."""
@@ -123,6 +133,48 @@ def test_the_fused_decode_layer_equals_the_per_op_layer(tmp_path: Path, qtype: Q
     for ours, reference in zip(decode_steps(fused, prompts, 3), decode_steps(per_op, prompts, 3), strict=True):
         assert torch.equal(ours, reference)
     assert len(runs) == 3  # the decode steps, not the prefills
+
+
+def write_normed_model(path: Path, architecture: str, qtype: QType) -> Path:
+    """The tiny model (hidden 256, 4 heads of 64, 2 KV heads) with per-head q/k norms: as Qwen3, or as Gemma 3 (six
+    layers: five sliding over 8 keys and a global one, two RoPE bases; norms of the attention's and the MLP's
+    outputs; GeGLU; scaled embeddings)."""
+    gemma = architecture == "gemma3"
+    layers = 6 if gemma else 2
+    tensors = tiny_tensors(256, layers=layers)
+    rng = np.random.default_rng(2)
+    norms = ["attn_q_norm", "attn_k_norm"] + (["post_attention_norm", "post_ffw_norm"] if gemma else [])
+    for i in range(layers):
+        for name in norms:
+            size = 64 if name in ("attn_q_norm", "attn_k_norm") else 256
+            tensors[f"blk.{i}.{name}.weight"] = (1 + 0.3 * rng.standard_normal(size)).astype(np.float32)
+    metadata = tiny_metadata(256) | {"block_count": layers, "attention.key_length": 64, "attention.value_length": 64}
+    if gemma:
+        metadata["attention.sliding_window"] = 8
+    return write_gguf(path, architecture, metadata, tensors, qtype=qtype)
+
+
+@pytest.mark.parametrize(("architecture", "qtype"), [("gemma3", QType.Q8_0), ("gemma3", QType.Q4_K),
+                                                     ("qwen3", QType.Q4_0)], ids=lambda v: getattr(v, "name", v))
+def test_gemma3_and_qwen3_decode_through_the_fused_layer(tmp_path: Path, architecture: str, qtype: QType) -> None:
+    """Per-head q/k norms, a window, GeGLU and the output norms in the fused layer, bit for bit against the per-op
+    layers (which norm the heads in place and take the same RoPE and GeGLU loops): prompts past the window, both RoPE
+    tables. Bit for bit matters: a matmul that rounds its inputs to int8 (Q8_0 here) turned the 1e-7 between torch's
+    GeGLU and the kernel's into 1e-3 at the next layer."""
+    path = write_normed_model(tmp_path / "m.gguf", architecture, qtype)
+    fused = load_model(str(path), dtype="float32", device="cpu")
+    per_op = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
+    assert fused.model.model.fused_decode is not None
+    assert fused.config.qk_norm and fused.config.qk_norm_per_head
+    if architecture == "gemma3":
+        assert fused.config.sliding_layers == (True,) * 5 + (False,)
+    runs = []
+    run_fused = fused.model.model._decode_fused
+    fused.model.model._decode_fused = lambda *args: runs.append(1) or run_fused(*args)
+    prompts = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
+    for ours, reference in zip(decode_steps(fused, prompts, 3), decode_steps(per_op, prompts, 3), strict=True):
+        assert torch.equal(ours, reference)
+    assert len(runs) == 3
 
 
 @pytest.mark.parametrize("tiles", [0, 2], ids=["kernel", "tiles"])

@@ -219,14 +219,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 template <typename KV>
 void tokenmill::paged_decode_rows(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* tables,
                                   const int64_t* lengths, float* out, int64_t seqs, int64_t heads, int64_t kv_heads,
-                                  int64_t dim, int64_t block_size, int64_t width, float scale) {
+                                  int64_t dim, int64_t block_size, int64_t width, float scale, int64_t window) {
   decode<float, KV>(q, k_cache, v_cache, tables, lengths, out, seqs, heads, kv_heads, dim, block_size, width, scale,
-                    0);
+                    window);
 }
 
 #define TOKENMILL_PAGED_DECODE_ROWS(KV)                                                                            \
   template void tokenmill::paged_decode_rows<KV>(const float*, const KV*, const KV*, const int64_t*, const int64_t*, \
-                                                 float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);
+                                                 float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, \
+                                                 int64_t);
 TOKENMILL_FOR_POOL_DTYPES(TOKENMILL_PAGED_DECODE_ROWS)
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {

@@ -183,13 +183,14 @@ void rms_norm_rows(float* x, const float* residual, const float* weight, float* 
 template <typename KV>
 void rope_store_kv_rows(const float* qkv, const float* cos, const float* sin, const int64_t* slots, float* q_out,
                         KV* k_cache, KV* v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim);
-// rope.cpp: out[n, inter] = silu(gate) * up of gate_up [n, 2 * inter]
-void silu_mul_rows(const float* gate_up, float* out, int64_t n, int64_t inter);
+// rope.cpp: out[n, inter] = act(gate) * up of gate_up [n, 2 * inter], act SiLU or (gelu) the tanh GELU
+void act_mul_rows(const float* gate_up, float* out, int64_t n, int64_t inter, bool gelu);
 
-// attention.cpp: one query per sequence against its keys in the pool, read through its block table.
+// attention.cpp: one query per sequence against its keys in the pool, read through its block table; window > 0:
+// its last `window` keys only.
 template <typename KV>
 void paged_decode_rows(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* tables,
                        const int64_t* lengths, float* out, int64_t seqs, int64_t heads, int64_t kv_heads,
-                       int64_t dim, int64_t block_size, int64_t width, float scale);
+                       int64_t dim, int64_t block_size, int64_t width, float scale, int64_t window);
 
 }  // namespace tokenmill

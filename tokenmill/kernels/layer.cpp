@@ -1,9 +1,10 @@
-// A whole Llama decoder layer for a decode step (one new token per sequence, a few sequences), fp32 rows (a bf16 or
-// fp16 KV pool is read and written as such), weights kept quantized: norm, q|k|v projection, RoPE and the KV
-// write, paged attention, output projection, norm, gate|up projection, SiLU, down projection, all in one call. The
-// per-op path costs ~12 dispatches and their allocations a layer, ~30% of a one-stream step on a 2-core CPU
-// (measured); here the steps are the other kernels' own loops (cpu.h) over scratch buffers kept between calls.
-// models/llama.py runs it where it applies and checks it against the per-op layer.
+// A whole decoder layer for a decode step (one new token per sequence, a few sequences), fp32 rows (a bf16 or fp16
+// KV pool is read and written as such), weights kept quantized: norm, q|k|v projection, per-head q/k norms (Qwen3,
+// Gemma 3), RoPE and the KV write, paged attention (a sliding window, Gemma 3), output projection, norm, gate|up
+// projection, SiLU or the tanh GELU, down projection, and Gemma's norms of the attention's and the MLP's outputs,
+// all in one call. The per-op path costs ~12 dispatches and their allocations a layer, ~30% of a one-stream step on
+// a 2-core CPU (measured); here the steps are the other kernels' own loops (cpu.h) over scratch buffers kept
+// between calls. models/llama.py runs it where it applies; the tests check it against the per-op layers.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -38,26 +39,35 @@ const float* f32(const at::Tensor& t, int64_t numel, const char* what) {
 template <typename KV>
 void attend(const float* qkv, const float* cos, const float* sin, const int64_t* slots, float* q, at::Tensor& k_cache,
             at::Tensor& v_cache, const int64_t* tables, const int64_t* lengths, float* out, int64_t n, int64_t heads,
-            int64_t kv_heads, int64_t width, float scale) {
+            int64_t kv_heads, int64_t width, float scale, int64_t window) {
   KV* kc = static_cast<KV*>(k_cache.data_ptr());
   KV* vc = static_cast<KV*>(v_cache.data_ptr());
   const int64_t block_size = k_cache.size(1), dim = k_cache.size(3);
   tokenmill::rope_store_kv_rows<KV>(qkv, cos, sin, slots, q, kc, vc, n, heads, kv_heads, dim);
-  tokenmill::paged_decode_rows<KV>(q, kc, vc, tables, lengths, out, n, heads, kv_heads, dim, block_size, width, scale);
+  tokenmill::paged_decode_rows<KV>(q, kc, vc, tables, lengths, out, n, heads, kv_heads, dim, block_size, width, scale,
+                                   window);
+}
+
+// RMSNorm in place over `count` rows of `cols` values, where there is a weight (per-head q/k norms: a token's heads
+// are consecutive rows).
+void norm_in_place(float* rows, const float* weight, int64_t count, int64_t cols, float eps) {
+  if (weight) tokenmill::rms_norm_rows(rows, nullptr, weight, rows, count, cols, eps);
 }
 
 // x: the residual stream [n, hidden], updated in place (+ pending, + attention output); pending: the previous
 // layer's MLP output not yet added, or empty in the first layer. weights: input norm; qkv qweight, scales, shift,
-// bias; o qweight, scales, shift; post-attention norm; gate_up qweight, scales, shift; down qweight, scales, shift
-// (an empty shift or bias: none). layouts: the four matrices' weights per scale, then their zero points.
-// tiles_from_rows: steps of this many rows or more multiply on AMX tiles (quant.cpp; 0: never). Returns this layer's
-// MLP output.
+// bias; o qweight, scales, shift; the norm before the MLP; gate_up qweight, scales, shift; down qweight, scales,
+// shift; then the per-head q and k norms, and the norms of the attention's and of the MLP's outputs (Gemma's
+// "sandwich") (an empty shift, bias or norm: none). layouts: the four matrices' weights per scale, then their zero
+// points. window > 0: attention to the last `window` keys; gelu: the tanh GELU for SiLU. tiles_from_rows: steps of
+// this many rows or more multiply on AMX tiles (quant.cpp; 0: never). Returns this layer's MLP output (normed, with
+// an output norm).
 at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights,
                         at::IntArrayRef layouts, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
                         const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale,
-                        int64_t tiles_from_rows) {
-  TORCH_CHECK(weights.size() == 15 && layouts.size() == 8, "15 weight tensors, 4 subs and 4 zero points");
+                        int64_t tiles_from_rows, int64_t window, bool gelu) {
+  TORCH_CHECK(weights.size() == 19 && layouts.size() == 8, "19 weight tensors, 4 subs and 4 zero points");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t n = x.size(0), hidden = x.size(1);
   float* xs = const_cast<float*>(f32(x, n * hidden, "x"));
@@ -76,6 +86,13 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   const float* norm1 = f32(weights[0], hidden, "the input norm");
   const float* norm2 = f32(weights[8], hidden, "the post-attention norm");
   const float* bias = weights[4].numel() ? f32(weights[4], qkv_w.out, "the qkv bias") : nullptr;
+  const auto optional = [&](size_t i, int64_t size, const char* what) {
+    return weights[i].numel() ? f32(weights[i], size, what) : nullptr;
+  };
+  const float* q_norm = optional(15, dim, "the q norm");
+  const float* k_norm = optional(16, dim, "the k norm");
+  const float* attn_out_norm = optional(17, hidden, "the attention output's norm");
+  const float* mlp_out_norm = optional(18, hidden, "the MLP output's norm");
   const float* c = f32(cos, n * dim / 2, "cos");
   const float* s = f32(sin, n * dim / 2, "sin");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n, "one slot a token");
@@ -102,16 +119,21 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   act.resize(n * inter);
   at::Tensor out = at::empty({n, hidden}, x.options());
 
-  tokenmill::rms_norm_rows(xs, pend, norm1, h.data(), n, hidden, static_cast<float>(eps));
+  const float ep = static_cast<float>(eps);
+  tokenmill::rms_norm_rows(xs, pend, norm1, h.data(), n, hidden, ep);
   tokenmill::quantized_matmul(h.data(), n, qkv_w, qkv.data(), tiles_from_rows);
   if (bias)
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < qkv_w.out; ++j) qkv[t * qkv_w.out + j] += bias[j];
+  for (int64_t t = 0; t < n; ++t) {
+    norm_in_place(qkv.data() + t * qkv_w.out, q_norm, heads, dim, ep);
+    norm_in_place(qkv.data() + t * qkv_w.out + heads * dim, k_norm, kv_heads, dim, ep);
+  }
   const int64_t* table = tables.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   const auto run = [&](auto pool_type) {  // pool_type: a value of the pool's element type
     attend<decltype(pool_type)>(qkv.data(), c, s, slot, q.data(), k_cache, v_cache, table, len, attn.data(), n,
-                                heads, kv_heads, width, sc);
+                                heads, kv_heads, width, sc, window);
   };
   switch (k_cache.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -120,10 +142,12 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
     default: TORCH_CHECK(false, "the KV pool must be fp32, bf16 or fp16, not ", k_cache.scalar_type());
   }
   tokenmill::quantized_matmul(attn.data(), n, o_w, o.data(), tiles_from_rows);
-  tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, static_cast<float>(eps));
+  norm_in_place(o.data(), attn_out_norm, n, hidden, ep);
+  tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, ep);
   tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data(), tiles_from_rows);
-  tokenmill::silu_mul_rows(gate_up.data(), act.data(), n, inter);
+  tokenmill::act_mul_rows(gate_up.data(), act.data(), n, inter, gelu);
   tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>(), tiles_from_rows);
+  norm_in_place(out.data_ptr<float>(), mlp_out_norm, n, hidden, ep);
   return out;
 }
 
@@ -132,7 +156,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layer(Tensor(a!) x, Tensor pending, Tensor[] weights, int[] layouts, Tensor cos, Tensor sin, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, "
-        "int kv_heads, float eps, float scale, int tiles_from_rows=0) -> Tensor");
+        "int kv_heads, float eps, float scale, int tiles_from_rows=0, int window=0, bool gelu=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layer", &decode_layer); }

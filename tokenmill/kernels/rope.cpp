@@ -46,9 +46,12 @@ void rope_store(const T* qkv, const float* cos, const float* sin, const int64_t*
   });
 }
 
+// act(gate) * up, act SiLU or (gelu) the tanh GELU: both are gate / (1 + e^-a), a = gate for SiLU and
+// 2 sqrt(2 / pi) (gate + 0.044715 gate^3) for the GELU (0.5 (1 + tanh(a / 2)) = 1 / (1 + e^-a)).
 template <typename T>
-void silu_mul_of(const T* gate_up, T* out, int64_t n, int64_t inter) {
-  constexpr int64_t kChunk = 256;  // e^-gate of this many at a time, in vector registers (cpu.h's exp_sum)
+void act_mul_of(const T* gate_up, T* out, int64_t n, int64_t inter, bool gelu = false) {
+  constexpr int64_t kChunk = 256;  // e^-a of this many at a time, in vector registers (cpu.h's exp_sum)
+  constexpr float kGelu = 1.5957691216057308f;  // 2 sqrt(2 / pi)
   at::parallel_for(0, n * ((inter + kChunk - 1) / kChunk), 16, [&](int64_t begin, int64_t end) {
     float e[kChunk];
     for (int64_t task = begin; task < end; ++task) {
@@ -56,7 +59,14 @@ void silu_mul_of(const T* gate_up, T* out, int64_t n, int64_t inter) {
       const int64_t len = std::min(kChunk, inter - j0);
       const T* gate = gate_up + r * 2 * inter + j0;
       const T* up = gate + inter;
-      for (int64_t j = 0; j < len; ++j) e[j] = -static_cast<float>(gate[j]);
+      if (gelu) {
+        for (int64_t j = 0; j < len; ++j) {
+          const float g = static_cast<float>(gate[j]);
+          e[j] = -kGelu * (g + 0.044715f * g * g * g);
+        }
+      } else {
+        for (int64_t j = 0; j < len; ++j) e[j] = -static_cast<float>(gate[j]);
+      }
       tokenmill::exp_sum(e, len, 0.f);
       T* dst = out + r * inter + j0;
       for (int64_t j = 0; j < len; ++j)
@@ -95,16 +105,20 @@ at::Tensor rope_store_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in, con
 }
 
 // gate_up: [n, 2 * inter] -> [n, inter]
-at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+at::Tensor act_mul(const at::Tensor& gate_up_in, bool gelu) {
   const at::Tensor gate_up = gate_up_in.contiguous();
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * intermediate]");
   const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
   at::Tensor out = at::empty({n, inter}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
-    silu_mul_of<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, inter);
+    act_mul_of<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, inter, gelu);
   });
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return act_mul(gate_up, false); }
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return act_mul(gate_up, true); }
 
 }  // namespace
 
@@ -120,17 +134,19 @@ void tokenmill::rope_store_kv_rows(const float* qkv, const float* cos, const flo
                                                   KV*, KV*, int64_t, int64_t, int64_t, int64_t);
 TOKENMILL_FOR_POOL_DTYPES(TOKENMILL_ROPE_STORE_KV_ROWS)
 
-void tokenmill::silu_mul_rows(const float* gate_up, float* out, int64_t n, int64_t inter) {
-  silu_mul_of<float>(gate_up, out, n, inter);
+void tokenmill::act_mul_rows(const float* gate_up, float* out, int64_t n, int64_t inter, bool gelu) {
+  act_mul_of<float>(gate_up, out, n, inter, gelu);
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rope_store_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int heads, int kv_heads) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("rope_store_kv", &rope_store_kv);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
 }

@@ -21,7 +21,7 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM, LlamaModel
+from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM, LlamaModel, fused_decode_weights
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -46,9 +46,11 @@ class Gemma3DecoderLayer(nn.Module):
         x, h = self.pre_feedforward_layernorm.add_and_norm(x, attended)
         return x, self.post_feedforward_layernorm(self.mlp(h))
 
-    def decode_weights(self) -> None:
-        """The fused decode layer (kernels/layer.cpp) has no sandwich norms, q/k norms, window or GeGLU."""
-        return None
+    def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """This layer as the fused decode kernel takes it, with its four norms."""
+        return fused_decode_weights(self.self_attn, self.mlp,
+                                    (self.input_layernorm, self.pre_feedforward_layernorm),
+                                    (self.post_attention_layernorm, self.post_feedforward_layernorm))
 
 
 class Gemma3Model(LlamaModel):
@@ -58,13 +60,10 @@ class Gemma3Model(LlamaModel):
         super().__init__(config, max_positions)
         self.local_rotary = RotaryEmbedding(config.head_dim, config.rope_local_theta, max_positions)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed(input_ids)
+    def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The global table for the global layers, the local one for the sliding layers."""
         ropes = self.rotary(positions), self.local_rotary(positions)
-        pending = None
-        for layer in cast(list[Gemma3DecoderLayer], self.layers):
-            x, pending = layer(x, pending, ropes[layer.sliding], meta)
-        return self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
+        return [ropes[layer.sliding] for layer in cast(list[Gemma3DecoderLayer], self.layers)]
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

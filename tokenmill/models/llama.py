@@ -52,24 +52,34 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if not self.qk_norm and self.clip is None:
+        per_head = self.qk_norm and self.qk_norm_per_head
+        if per_head:  # normed in place: the q|k|v rows then take the fused RoPE, as the fused layer does
+            q, k = self._heads(qkv)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        if (per_head or not self.qk_norm) and self.clip is None:
             out = fused_rotary_attention(self.layer, qkv, rope, meta, self.num_heads, self.num_kv_heads, self.scale,
                                          self.window)
             if out is not None:
                 return self.o_proj(out.view(tokens, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm and not self.qk_norm_per_head:
+        if self.qk_norm and not per_head:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         if self.clip is not None:  # after the norms, as OLMoE does
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm and self.qk_norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = attention(self.layer, q, k, v, meta, self.scale, self.window)
         return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of q|k|v rows' query heads [tokens, heads, dim] and key heads [tokens, kv heads, dim]."""
+        tokens = qkv.shape[0]
+        q = qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        return q, k
 
 
 class MLP(nn.Module):
@@ -84,8 +94,9 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if not self.gelu and gpu.runs(gate_up):
             return self.down_proj(gpu.silu_mul(gate_up))
-        if not self.gelu and gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp)
-            return self.down_proj(torch.ops.tokenmill.silu_mul(gate_up))
+        if gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp), the fused layer's too
+            act_mul = torch.ops.tokenmill.gelu_tanh_mul if self.gelu else torch.ops.tokenmill.silu_mul
+            return self.down_proj(act_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)
@@ -119,28 +130,41 @@ class DecoderLayer(nn.Module):
         return x, out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
     def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """This layer's tensors as the fused decode kernel takes them (kernels/layer.cpp), and its matrices' weights
-        per scale, then their zero points; None where it cannot run the layer: a projection not kept quantized, q/k
-        norms, a sliding window, GeGLU, experts, clipping, Granite's multipliers. Its rows are fp32: a bf16 or fp16
-        model's norms and bias are given as fp32 copies (a few KiB a layer)."""
-        attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, MLP) or attn.clip is not None or self.residual_multiplier != 1.0:
+        """This layer as the fused decode kernel takes it (fused_decode_weights); None with Granite's multipliers."""
+        if self.residual_multiplier != 1.0:
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        norms = (self.input_layernorm.weight.float(), self.post_attention_layernorm.weight.float())
-        if attn.qk_norm or attn.window or mlp.gelu or not all(
-                isinstance(m, QuantizedLinear) and (m.bias is None or m is attn.qkv_proj) for m in linears):
-            return None
-        none = torch.empty(0)
+        return fused_decode_weights(self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm))
 
-        def parts(m: QuantizedLinear) -> list[torch.Tensor]:
-            return [m.weight.qweight, m.weight.scales, none if m.weight.mins is None else m.weight.mins]
 
-        qkv, o, gate_up, down = cast(tuple[QuantizedLinear, ...], linears)
-        weights = [norms[0], *parts(qkv), none if qkv.bias is None else qkv.bias.float(), *parts(o), norms[1],
-                   *parts(gate_up), *parts(down)]
-        matrices = (qkv, o, gate_up, down)
-        return weights, [m.weight.sub for m in matrices] + [m.weight.zero for m in matrices]
+def fused_decode_weights(attn: Attention, mlp: nn.Module, norms: tuple[RMSNorm, RMSNorm],
+                         output_norms: tuple[RMSNorm, RMSNorm] | None = None,
+                         ) -> tuple[list[torch.Tensor], list[int]] | None:
+    """A layer's tensors as the fused decode kernel takes them (kernels/layer.cpp), and its matrices' weights per
+    scale, then their zero points. norms: before attention and before the MLP; output_norms: of the attention's and
+    the MLP's outputs (Gemma 3's). None where the kernel cannot run the layer: a projection not kept quantized, q/k
+    norms over whole projections (OLMoE), experts, clipping. Its rows are fp32: a bf16 or fp16 model's norms and
+    bias are given as fp32 copies (a few KiB a layer)."""
+    if not isinstance(mlp, MLP) or attn.clip is not None or (attn.qk_norm and not attn.qk_norm_per_head):
+        return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not all(isinstance(m, QuantizedLinear) and (m.bias is None or m is attn.qkv_proj) for m in linears):
+        return None
+    none = torch.empty(0)
+
+    def parts(m: QuantizedLinear) -> list[torch.Tensor]:
+        return [m.weight.qweight, m.weight.scales, none if m.weight.mins is None else m.weight.mins]
+
+    def weight(norm: RMSNorm | None) -> torch.Tensor:
+        return none if norm is None else norm.weight.float()
+
+    qkv, o, gate_up, down = cast(tuple[QuantizedLinear, ...], linears)
+    q_norm, k_norm = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+    attn_out, mlp_out = output_norms or (None, None)
+    weights = [weight(norms[0]), *parts(qkv), none if qkv.bias is None else qkv.bias.float(), *parts(o),
+               weight(norms[1]), *parts(gate_up), *parts(down), weight(q_norm), weight(k_norm), weight(attn_out),
+               weight(mlp_out)]
+    matrices = (qkv, o, gate_up, down)
+    return weights, [m.weight.sub for m in matrices] + [m.weight.zero for m in matrices]
 
 
 class LlamaModel(nn.Module):
@@ -165,17 +189,21 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         return x if self.embed_scale == 1.0 else x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
+    def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos and sin for the step's positions: one table for all."""
+        return [self.rotary(positions)] * len(self.layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
-        rope = self.rotary(positions)
+        ropes = self.layer_ropes(positions)
         pending = None
         if self.fused_decode is not None and _fused_decode_runs(meta, x, self.fused_decode_below):
             # The fused layer's rows are fp32 (a bf16 model's residual stream widens for it, then narrows).
             dtype, x = x.dtype, x.float()
-            pending = self._decode_fused(x, rope, meta)
+            pending = self._decode_fused(x, ropes, meta)
             x, pending = x.to(dtype), pending.to(dtype)
         else:
-            for layer in self.layers:
+            for layer, rope in zip(self.layers, ropes, strict=True):
                 x, pending = layer(x, pending, rope, meta)
         return self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
 
@@ -188,19 +216,22 @@ class LlamaModel(nn.Module):
         self.fused_decode_below = DENSE_FROM_ROWS if dense else None
         return self.fused_decode is not None
 
-    def _decode_fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def _decode_fused(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
                       meta: PagedMetadata) -> torch.Tensor:
         """Every layer as one op each; x (the residual stream) is updated in place. Returns the last MLP output."""
         first = cast(DecoderLayer, self.layers[0])
-        attn, eps = first.self_attn, first.input_layernorm.eps
-        cos, sin = rope
+        eps = first.input_layernorm.eps
         tables = meta.decode_tables.view(meta.num_decodes, -1)
-        tiles_from_rows = cast(QuantizedLinear, attn.qkv_proj).tiles_from_rows  # registry.py sets every layer's alike
+        # registry.py sets every layer's alike
+        tiles_from_rows = cast(QuantizedLinear, first.self_attn.qkv_proj).tiles_from_rows
         pending = torch.empty(0)
-        for i, (weights, layouts) in enumerate(cast(list, self.fused_decode)):
+        layers = zip(cast(list[DecoderLayer], self.layers), cast(list, self.fused_decode), ropes, strict=True)
+        for i, (layer, (weights, layouts), (cos, sin)) in enumerate(layers):
+            attn = layer.self_attn
             pending = torch.ops.tokenmill.decode_layer(
                 x, pending, weights, layouts, cos, sin, meta.k_cache[i], meta.v_cache[i], meta.slot_mapping, tables,
-                meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale, tiles_from_rows)
+                meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale, tiles_from_rows, attn.window,
+                cast(MLP, layer.mlp).gelu)
         return pending
 
 
