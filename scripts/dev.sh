@@ -33,7 +33,7 @@ case "$verb" in
       { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
         || echo "could not install chromium: the browser tests will be skipped" >&2
     fi
-    exec "$py" -m pytest "$@" ;;
+    exec "$py" -m pytest --durations=15 "$@" ;;  # the slowest: CI must stay under 15 minutes
   mutate) exec "$py" scripts/mutate.py "$@" ;;
   *) echo "unknown verb $verb: use serve, test or mutate" >&2; exit 2 ;;
 esac

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import gguf
 import httpx
 import numpy as np
 import openai
@@ -129,6 +132,25 @@ def write_gguf(path: Path, architecture: str, metadata: dict[str, Any], tensors:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@contextlib.contextmanager
+def gguf_read_once() -> Iterator[None]:
+    """transformers reads a GGUF's metadata twice in one from_pretrained (for the config, then for the weights), and
+    gguf-py's reader takes ~12 s over Gemma 3's 262,144-token vocabulary; inside this block each file is read once."""
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: str, mode: str = "r") -> Any:
+        if (str(path), mode) not in readers:
+            readers[str(path), mode] = original(path, mode)
+        return readers[str(path), mode]
+
+    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
 
 
 def tiny_metadata(hidden: int = 64, context_length: int = 512, kv_heads: int = 2) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import generate, hf_configs, our_logits, save_random_hf_model, start_engine
+from helpers import generate, gguf_read_once, hf_configs, our_logits, save_random_hf_model, start_engine
 
 from tokenmill import kernels
 from tokenmill.layers.quantized import QuantizedLinear
@@ -40,9 +40,10 @@ def our_greedy(loaded: LoadedModel, ids: list[int], steps: int) -> list[int]:
 
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers(smollm: LoadedModel, smollm_path: Path) -> None:
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32
-    ).eval()
+    with gguf_read_once():
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32
+        ).eval()
     ids = smollm.tokenizer.encode("The three most important inventions of the twentieth century were")
     with torch.inference_mode():
         ref_logits = reference(torch.tensor([ids])).logits[0]

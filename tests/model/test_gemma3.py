@@ -13,6 +13,7 @@ from helpers import (
     assert_no_live_blocks,
     counted,
     generate,
+    gguf_read_once,
     our_logits,
     save_random_hf_model,
     start_engine,
@@ -188,8 +189,9 @@ def test_the_real_gemma3_gguf_matches_transformers() -> None:
     """Gemma 3 270M (Q4_K_M, read by transformers too, dequantized): fp32 logits at every position of three
     prompts, and 16 greedy tokens each."""
     path = pull("gemma3-270m", quiet=True)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with gguf_read_once():
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     loaded = load_model(str(path), dtype="float32", device="cpu", quantized=False)
     prompts = [loaded.tokenizer.encode(text) for text in
                ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")]

@@ -91,17 +91,16 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 EVERY_KERNEL = {"decode_attention", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv"}
 
 
-def test_llama_steps_through_the_gpu_kernels_give_the_torch_ops_tokens(llama, llama_tokens, on_triton) -> None:
-    assert run(llama) == llama_tokens
-    assert on_triton == EVERY_KERNEL  # tables as wide as the batch's longest: no split of ~80 keys
-
-
-def test_the_decode_graphs_static_step_through_the_gpu_kernels(llama, llama_tokens, on_triton) -> None:
+def test_llama_steps_and_the_decode_graphs_static_step_through_the_gpu_kernels(llama, llama_tokens,
+                                                                              on_triton) -> None:
+    """Decode steps in the graphs' static buffers, whose tables are as wide as the context (512 keys): split keys
+    and their combine; prompt chunks, mixed steps and prefix hits op by op."""
     assert run(llama, graphs=True) == llama_tokens
-    assert on_triton == EVERY_KERNEL | {"combine_splits"}  # tables as wide as the context (512): split keys
+    assert on_triton == EVERY_KERNEL | {"combine_splits"}
 
 
 def test_gemma3_sliding_windows_through_the_gpu_kernels(gemma, monkeypatch) -> None:
+    """Decode steps op by op, tables as wide as the batch's longest: one split."""
     expected = run(gemma)
     launched = on_triton.__wrapped__(monkeypatch)
     assert run(gemma) == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import gguf_read_once
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.errors import RequestError
@@ -48,7 +49,8 @@ def spm_tokenizer() -> Tokenizer:
 
 def _check_against_transformers(tokenizer: Tokenizer, path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_read_once():
+        reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for text in SAMPLES:
         ids = tokenizer.encode(text)
         assert ids == reference.encode(text), text
