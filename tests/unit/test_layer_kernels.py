@@ -93,6 +93,33 @@ def new_cache(loaded: LoadedModel, num_blocks: int = 32) -> PagedKVCache:
                         num_blocks=num_blocks, block_size=16)
 
 
+PROMPTS = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
+
+
+def fused_steps(loaded: LoadedModel) -> list[int]:
+    """The rows of each step loaded's model runs through the fused layers, recorded from now on."""
+    runs: list[int] = []
+    run_fused = loaded.model.model._decode_fused
+    loaded.model.model._decode_fused = lambda *args: runs.append(args[0].shape[0]) or run_fused(*args)
+    return runs
+
+
+def load_fused_and_per_op(path: Path) -> tuple[LoadedModel, LoadedModel]:
+    """The model at path in fp32, with and without the fused decode layers."""
+    fused = load_model(str(path), dtype="float32", device="cpu")
+    per_op = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
+    assert fused.model.model.fused_decode is not None and per_op.model.model.fused_decode is None
+    return fused, per_op
+
+
+def assert_fused_decode_steps_equal_per_op(fused: LoadedModel, per_op: LoadedModel) -> None:
+    """Three decode steps of PROMPTS, each through the fused layers, bit for bit the per-op layers' hidden states."""
+    runs = fused_steps(fused)
+    for ours, reference in zip(decode_steps(fused, PROMPTS, 3), decode_steps(per_op, PROMPTS, 3), strict=True):
+        assert torch.equal(ours, reference)
+    assert len(runs) == 3  # the decode steps, not the prefills
+
+
 def decode_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int,
                  cache: PagedKVCache | None = None) -> list[torch.Tensor]:
     """Prefill each prompt on its own, then `steps` decode steps of every sequence together (one new token each,
@@ -121,18 +148,9 @@ def test_the_fused_decode_layer_equals_the_per_op_layer(tmp_path: Path, qtype: Q
     """Bit for bit: both run the same loops (norm, quantized matmul, RoPE, paged attention, SiLU) on the same
     values. Q4_1: a shift per block; Q4_0: a zero point; Q8_0: int8 without shift; Q6_K: 16 weights a scale;
     Q4_K with q/k/v biases."""
-    path = write_model(tmp_path / "m.gguf", qtype, bias)
-    fused = load_model(str(path), dtype="float32", device="cpu")
-    per_op = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
-    assert fused.model.model.fused_decode is not None and per_op.model.model.fused_decode is None
+    fused, per_op = load_fused_and_per_op(write_model(tmp_path / "m.gguf", qtype, bias))
     assert (fused.model.model.layers[0].self_attn.qkv_proj.bias is not None) == bias
-    runs = []
-    run_fused = fused.model.model._decode_fused
-    fused.model.model._decode_fused = lambda *args: runs.append(1) or run_fused(*args)
-    prompts = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
-    for ours, reference in zip(decode_steps(fused, prompts, 3), decode_steps(per_op, prompts, 3), strict=True):
-        assert torch.equal(ours, reference)
-    assert len(runs) == 3  # the decode steps, not the prefills
+    assert_fused_decode_steps_equal_per_op(fused, per_op)
 
 
 def write_normed_model(path: Path, architecture: str, qtype: QType) -> Path:
@@ -161,20 +179,11 @@ def test_gemma3_and_qwen3_decode_through_the_fused_layer(tmp_path: Path, archite
     layers (which norm the heads in place and take the same RoPE and GeGLU loops): prompts past the window, both RoPE
     tables. Bit for bit matters: a matmul that rounds its inputs to int8 (Q8_0 here) turned the 1e-7 between torch's
     GeGLU and the kernel's into 1e-3 at the next layer."""
-    path = write_normed_model(tmp_path / "m.gguf", architecture, qtype)
-    fused = load_model(str(path), dtype="float32", device="cpu")
-    per_op = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
-    assert fused.model.model.fused_decode is not None
+    fused, per_op = load_fused_and_per_op(write_normed_model(tmp_path / "m.gguf", architecture, qtype))
     assert fused.config.qk_norm and fused.config.qk_norm_per_head
     if architecture == "gemma3":
         assert fused.config.sliding_layers == (True,) * 5 + (False,)
-    runs = []
-    run_fused = fused.model.model._decode_fused
-    fused.model.model._decode_fused = lambda *args: runs.append(1) or run_fused(*args)
-    prompts = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
-    for ours, reference in zip(decode_steps(fused, prompts, 3), decode_steps(per_op, prompts, 3), strict=True):
-        assert torch.equal(ours, reference)
-    assert len(runs) == 3
+    assert_fused_decode_steps_equal_per_op(fused, per_op)
 
 
 @pytest.mark.parametrize("tiles", [0, 2], ids=["kernel", "tiles"])
@@ -187,20 +196,17 @@ def test_a_bf16_model_decodes_through_the_fused_layer_on_fp32_rows_and_its_bf16_
     if tiles and not kernels.has_tiles():
         pytest.skip("no AMX tiles here")
     path = write_model(tmp_path / "m.gguf", QType.Q4_K, bias=True)
-    prompts = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
     exact = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
     fused = load_model(str(path), dtype="bfloat16", device="cpu", tiles_from_rows=tiles)
     per_op = load_model(str(path), dtype="bfloat16", device="cpu", fused_decode=False, tiles_from_rows=tiles)
     assert fused.model.model.fused_decode is not None
     if tiles:  # the tiles' products are not the integer kernel's
         kernel = load_model(str(path), dtype="bfloat16", device="cpu")
-        assert not torch.equal(decode_steps(kernel, prompts, 1)[0], decode_steps(fused, prompts, 1)[0])
-    runs = []
-    run_fused = fused.model.model._decode_fused
-    fused.model.model._decode_fused = lambda *args: runs.append(1) or run_fused(*args)
+        assert not torch.equal(decode_steps(kernel, PROMPTS, 1)[0], decode_steps(fused, PROMPTS, 1)[0])
+    runs = fused_steps(fused)
     models = (fused, per_op, exact)
     caches = [new_cache(loaded) for loaded in models]
-    states = [decode_steps(loaded, prompts, 3, cache) for loaded, cache in zip(models, caches, strict=True)]
+    states = [decode_steps(loaded, PROMPTS, 3, cache) for loaded, cache in zip(models, caches, strict=True)]
     assert len(runs) == 3 and all(h.dtype == torch.bfloat16 for h in states[0])
     for ours, theirs, reference in zip(*states, strict=True):
         error, per_op_error = ((h.float() - reference).abs().max().item() for h in (ours, theirs))
@@ -217,9 +223,7 @@ def test_decode_steps_run_fused_unless_dense_copies_take_them(tmp_path: Path, bu
     step, however many rows, runs the fused layer."""
     path = write_model(tmp_path / "m.gguf", QType.Q4_0, bias=False)
     loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=budget)
-    runs = []
-    run_fused = loaded.model.model._decode_fused
-    loaded.model.model._decode_fused = lambda *args: runs.append(args[0].shape[0]) or run_fused(*args)
+    runs = fused_steps(loaded)
     for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 3 * DENSE_FROM_ROWS):
         decode_steps(loaded, [[5 + i, 9] for i in range(rows)], 1, new_cache(loaded, num_blocks=rows))
     assert runs == ([DENSE_FROM_ROWS - 1] if budget else [DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 3 * DENSE_FROM_ROWS])

@@ -84,7 +84,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   const QuantizedMatrix gu_w = matrix(weights, 9, layouts, 2, 2 * inter, hidden);
   const QuantizedMatrix down_w = matrix(weights, 12, layouts, 3, hidden, inter);
   const float* norm1 = f32(weights[0], hidden, "the input norm");
-  const float* norm2 = f32(weights[8], hidden, "the post-attention norm");
+  const float* norm2 = f32(weights[8], hidden, "the norm before the MLP");
   const float* bias = weights[4].numel() ? f32(weights[4], qkv_w.out, "the qkv bias") : nullptr;
   const auto optional = [&](size_t i, int64_t size, const char* what) {
     return weights[i].numel() ? f32(weights[i], size, what) : nullptr;

@@ -110,7 +110,7 @@ at::Tensor act_mul(const at::Tensor& gate_up_in, bool gelu) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * intermediate]");
   const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
   at::Tensor out = at::empty({n, inter}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "act_mul", [&] {
     act_mul_of<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, inter, gelu);
   });
   return out;
