@@ -232,6 +232,17 @@ def save_random_hf_model(folder: Path, config: Any, norm_noise: float = 0.0) -> 
     tok.save(str(folder / "tokenizer.json"))
 
 
+def save_two_layer_gemma3(folder: Path, head_dim: int) -> None:
+    """A random Gemma 3 of a sliding layer over 8 keys and a global layer (noisy norms), saved as a folder."""
+    import transformers
+
+    save_random_hf_model(folder, transformers.Gemma3TextConfig(
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=head_dim, sliding_window=8, query_pre_attn_scalar=head_dim,
+        max_position_embeddings=256, initializer_range=0.2, layer_types=["sliding_attention", "full_attention"]),
+        norm_noise=0.3)
+
+
 async def _generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     streams = [submit(engine, p, sp) for p, sp in zip(prompts, params, strict=True)]
 
@@ -278,6 +289,13 @@ def assert_no_live_blocks(engine: Engine) -> None:
     assert kv.usage() == 0 and kv.num_sequences == 0
     cached = kv.prefix_cache.num_blocks if kv.prefix_cache is not None else 0
     assert kv.pool.num_free + cached == kv.pool.num_blocks
+    if kv.sliding is not None:  # the sliding layers' pool: the same, its blocks in the tree counted by walking it
+        nodes, stack = [], [kv.prefix_cache.root] if kv.prefix_cache is not None else []
+        while stack:
+            nodes.append(stack.pop())
+            stack.extend(nodes[-1].children.values())
+        cached = sum(1 for node in nodes for block in node.sliding if block)
+        assert kv.sliding.blocks.num_free + cached == kv.sliding.blocks.num_blocks
 
 
 def add_and_abort(engine: Engine, prompts: list[list[int]], params: SamplingParams, count: int = 200,

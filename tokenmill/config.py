@@ -28,6 +28,9 @@ class EngineConfig:
                             "sequence, reserved for its whole length)")
     block_size: int = option(16, "tokens per KV block (paged)")
     prefix_caching: bool = option(True, "share the KV of prompt prefixes computed before (radix tree over blocks)")
+    sliding_window_kv: bool = option(True, "paged, a model with sliding-window layers (Gemma 3): those layers keep "
+                                           "only the blocks their window sees, in a pool of their own sized for "
+                                           "--max-num-seqs windows (off: every layer keeps every token)")
     kv_cache_memory: str | None = option(None, "KV memory, e.g. 2GiB (default: 10%% of available RAM on CPU, 85%% of "
                                              "free GPU memory on CUDA, at most what max-num-seqs full contexts need)")
     max_queued_requests: int = option(256, "sequences that may wait for a slot; beyond, requests get 429 with "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_no_live_blocks, generate
+from helpers import assert_no_live_blocks, generate, save_two_layer_gemma3
 
 from tokenmill import kernels
 from tokenmill.config import EngineConfig
@@ -64,14 +64,28 @@ def run(loaded: LoadedModel, max_graph_batch: int | None, monkeypatch: pytest.Mo
     return tokens, replayed, engine
 
 
-def test_a_padded_static_step_gives_the_tokens_of_the_eager_step(tiny, monkeypatch) -> None:
-    eager, _, _ = run(tiny, None, monkeypatch)
-    padded, replayed, engine = run(tiny, 8, monkeypatch)
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A sliding layer over 8 keys, in a KV pool of its own, and a global layer."""
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("gemma3-graphs")
+    save_two_layer_gemma3(path, head_dim=32)
+    return load_model(str(path), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("model", ["tiny", "gemma"])
+def test_a_padded_static_step_gives_the_tokens_of_the_eager_step(model, request, monkeypatch) -> None:
+    loaded = request.getfixturevalue(model)
+    eager, _, _ = run(loaded, None, monkeypatch)
+    padded, replayed, engine = run(loaded, 8, monkeypatch)
     assert padded == eager
     assert set(replayed) == {5, 4, 2}  # every decode step, as requests finish after 9, 20 and 33 tokens (5 pads to 8)
-    k, v = engine.kv_cache.k, engine.kv_cache.v
-    assert not k[:, 0].any() and not v[:, 0].any()  # the null block, read by the padding rows, still zero
-    assert k[:, -1].any()  # the scratch block took the padding rows' K/V
+    kv = engine.kv_cache
+    assert len(kv.pools) == (2 if model == "gemma" else 1)
+    for pool in kv.pools:
+        assert not pool.k[:, 0].any() and not pool.v[:, 0].any()  # the null block, read by padding rows, still zero
+        # The scratch block took the padding rows' K/V (token 0: Gemma's padding token, whose embedding is zero).
+        assert pool.k[:, -1].any() or model == "gemma"
 
 
 def test_batches_past_the_largest_graph_run_op_by_op(tiny, monkeypatch) -> None:
@@ -86,9 +100,9 @@ def test_the_static_tables_are_as_wide_as_the_longest_context(tiny) -> None:
     engine.start()
     engine.stop()
     graphs = DecodeGraphs(tiny.model, engine.kv_cache, 4, engine.max_model_len, capture=False)
-    assert graphs.tables.shape == (4, -(-engine.max_model_len // engine.kv_cache.block_size))
+    assert graphs.tables.shape == (1, 4, -(-engine.max_model_len // engine.kv_cache.block_size))  # one pool
     assert graphs.size_for(3) == 4 and graphs.size_for(1) == 1 and graphs.size_for(5) is None
-    assert torch.equal(graphs.inputs[2], torch.full((4,), engine.kv_cache.scratch_slot))  # all padding at first
+    assert torch.equal(graphs.inputs[3], torch.full((4,), engine.kv_cache.scratch_slot))  # all padding at first
 
 
 def test_graphs_only_on_cuda_with_the_kernels_and_never_for_a_mixture_of_experts(tiny, monkeypatch) -> None:

@@ -162,6 +162,35 @@ def test_the_window_holds_across_chunks_and_prefix_hits(folder: Path) -> None:
         engine.stop()
 
 
+def test_the_sliding_layers_keep_their_windows_alone(folder: Path) -> None:
+    """The five sliding layers' KV in a pool of their own, three blocks of 4 a sequence (a window of 8 keys): the
+    tokens of the layout where every layer keeps every token, through chunks, prefix hits, and preemptions when
+    the global layer's 40 blocks run short."""
+    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    prompts = [PROMPT, PROMPT[:20] + [70, 71, 72], PROMPT[5:30], PROMPT[:3]]
+    # Sampled, seeded: greedy, this random model repeats a token whatever its attention reads.
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    # 240 KiB: 16 blocks of 4 tokens x 5 sliding layers x 512 bytes (4 sequences' windows, one step's 16 prompt
+    # tokens), then 40 of the global layer.
+    config = {"block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, "long_prefill_token_threshold": 0,
+              "kv_cache_memory": "240KiB"}
+    engine = start_engine(loaded, sliding_window_kv=False, **config)
+    try:
+        full = generate(engine, prompts, params)
+    finally:
+        engine.stop()
+    engine = start_engine(loaded, **config)
+    try:
+        kv = engine.kv_cache
+        assert isinstance(kv, PagedKVCache) and kv.sliding is not None
+        assert (kv.pool.num_blocks, kv.sliding.blocks.num_blocks) == (40, 16)
+        assert generate(engine, prompts[:1], params[:1]) + generate(engine, prompts, params) == full[:1] + full
+        assert counted(engine.metrics.preemptions) > 0 and counted(engine.metrics.prefix_hits) >= 20
+        assert_no_live_blocks(engine)
+    finally:
+        engine.stop()
+
+
 def test_gemma3_batches_and_aborts(folder: Path) -> None:
     """Greedy alone equals greedy in a batch (prompts shorter and longer than the window); an aborted stream
     gives its blocks back."""

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import assert_no_live_blocks, counted, generate, save_random_hf_model, start_engine
+from helpers import assert_no_live_blocks, counted, generate, save_two_layer_gemma3, start_engine
 
 from tokenmill.engine.graphs import DecodeGraphs
 from tokenmill.kernels import gpu
@@ -78,13 +78,9 @@ def llama_tokens(llama: LoadedModel) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """A sliding layer over 8 keys (the prompts run past it) and a global one, with Gemma 3's 256-wide heads."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("gemma3-gpu-path")
-    save_random_hf_model(path, transformers.Gemma3TextConfig(
-        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=256, sliding_window=8, query_pre_attn_scalar=256,
-        max_position_embeddings=256, initializer_range=0.2,
-        layer_types=["sliding_attention", "full_attention"]), norm_noise=0.3)
+    save_two_layer_gemma3(path, head_dim=256)
     return load(path)
 
 

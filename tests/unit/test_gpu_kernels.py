@@ -170,7 +170,7 @@ def test_the_prefill_batch_of_a_step_drives_the_kernel_to_the_per_chunk_result(d
     slices = [SequenceSlice(0, 49, 1), SequenceSlice(1, 19, 1), SequenceSlice(2, 40, 60), SequenceSlice(3, 0, 33)]
     meta = cache.prepare(slices)
     assert meta.prefill_batch is None and len(meta.prefills) == 2  # the CPU's way
-    batch = cache._prefill_batch(slices[2:])
+    batch = cache._prefill_batch(cache.full, slices[2:])
     assert batch.starts.tolist() == [40, 0] and batch.rows.tolist() == [0, 60, 93]
     assert batch.block_seq.tolist() == [0, 0, 1, 1] and batch.block_row.tolist() == [0, 32, 0, 32]
     q = torch.randn(95, 4, 32)

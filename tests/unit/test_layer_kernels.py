@@ -87,10 +87,13 @@ def write_model(path: Path, qtype: QType, bias: bool) -> Path:
     return write_gguf(path, "qwen2" if bias else "llama", tiny_metadata(256), tensors, qtype=qtype)
 
 
-def new_cache(loaded: LoadedModel, num_blocks: int = 32) -> PagedKVCache:
+def new_cache(loaded: LoadedModel, num_blocks: int = 32, sliding: bool = False) -> PagedKVCache:
+    """sliding: the model's sliding-window layers in a pool of their own, which lets go of the blocks a window
+    has passed."""
     c = loaded.config
-    return PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype), loaded.device,
-                        num_blocks=num_blocks, block_size=16)
+    return PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype, c.sliding_layers,
+                               c.sliding_window), loaded.device, num_blocks=num_blocks, block_size=16,
+                        sliding_blocks=num_blocks if sliding else 0)
 
 
 PROMPTS = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
@@ -134,7 +137,7 @@ def decode_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int,
         for step in range(steps):
             slices = [SequenceSlice(i, len(p) + step, 1) for i, p in enumerate(prompts)]
             for i, p in enumerate(prompts):
-                assert cache.reserve(i, len(p) + step + 1, len(p) + steps)
+                assert cache.reserve(i, len(p) + step + 1, len(p) + steps, len(p) + step)
             ids = torch.tensor([(7 * step + i) % 250 + 3 for i in range(len(prompts))])
             positions = torch.tensor([s.start for s in slices])
             out.append(model(ids, positions, cache.prepare(slices)))
@@ -184,6 +187,14 @@ def test_gemma3_and_qwen3_decode_through_the_fused_layer(tmp_path: Path, archite
     if architecture == "gemma3":
         assert fused.config.sliding_layers == (True,) * 5 + (False,)
     assert_fused_decode_steps_equal_per_op(fused, per_op)
+    if architecture == "gemma3":  # the sliding layers in a pool of their own: the same bits, the passed blocks gone
+        models = (fused, per_op)
+        caches = [new_cache(loaded, sliding=True) for loaded in models]
+        runs = fused_steps(fused)
+        states = [decode_steps(loaded, PROMPTS, 3, cache) for loaded, cache in zip(models, caches, strict=True)]
+        for ours, theirs, full in zip(*states, decode_steps(per_op, PROMPTS, 3), strict=True):
+            assert torch.equal(ours, full) and torch.equal(theirs, full)
+        assert len(runs) == 3 and all(cache.sliding.tables[0][0] == 0 for cache in caches)  # 37 tokens: block 0 out
 
 
 @pytest.mark.parametrize("tiles", [0, 2], ids=["kernel", "tiles"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,30 +30,101 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # True where layer i attends to its last `window` keys only (Gemma 3's sliding layers); () where all are global.
+    sliding_layers: tuple[bool, ...] = ()
+    window: int = 0
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def num_sliding(self) -> int:
+        return sum(self.sliding_layers) if self.window else 0
+
+
+@dataclass
+class _Pool:
+    """A pool of blocks and the KV of the layers stored in it, [layers, blocks + 2, block size, kv heads, dim]. Block
+    0 is the null block: never allocated, always zero, the padding of block tables (and a sliding table's entry for
+    a block its window has passed). Masked keys get zero attention weight, but 0 * NaN is NaN, so padding must never
+    hold a stray NaN. The last block is scratch: where the padding rows of a CUDA graph's batch write their K/V
+    (engine/graphs.py)."""
+
+    blocks: BlockPool
+    k: torch.Tensor
+    v: torch.Tensor
+    tables: dict[int, list[int]] = field(default_factory=dict)  # sequence -> its blocks, in order
+    live: Counter[int] = field(default_factory=Counter)  # block -> how many live sequences' tables hold it
+
+    @staticmethod
+    def build(spec: KVSpec, num_layers: int, num_blocks: int, block_size: int, device: torch.device) -> _Pool:
+        shape = (num_layers, num_blocks + 2, block_size, spec.num_kv_heads, spec.head_dim)
+        return _Pool(BlockPool(num_blocks, first_block=1), torch.zeros(shape, dtype=spec.dtype, device=device),
+                     torch.zeros(shape, dtype=spec.dtype, device=device))
+
+    @property
+    def scratch_slot(self) -> int:
+        return (self.blocks.num_blocks + 1) * self.k.shape[2]
+
+    def hold(self, seq_id: int, blocks: list[int]) -> None:
+        """Append blocks (allocated or referenced for seq_id; 0: none) to its table."""
+        self.tables[seq_id] = self.tables.get(seq_id, []) + blocks
+        self.live.update(b for b in blocks if b)
+
+    def release(self, block: int) -> None:
+        self.blocks.free(block)
+        self.live[block] -= 1
+        if not self.live[block]:
+            del self.live[block]
 
 
 class PagedKVCache:
     def __init__(self, spec: KVSpec, device: torch.device, num_blocks: int, block_size: int,
-                 prefix_caching: bool = False, per_row_attention: bool = False) -> None:
-        """per_row_attention (deterministic mode): every query row, prefill or decode, attends as a decode does."""
+                 prefix_caching: bool = False, per_row_attention: bool = False, sliding_blocks: int = 0) -> None:
+        """per_row_attention (deterministic mode): every query row, prefill or decode, attends as a decode does.
+        sliding_blocks: the spec's sliding layers get a pool of their own, of this many blocks, and keep only the
+        blocks their window sees (0: they keep every token, as the others do)."""
         self.block_size = block_size
         self.per_row_attention = per_row_attention
-        # Block 0 is the null block: never allocated, always zero, the padding of decode block tables. Masked
-        # keys get zero attention weight, but 0 * NaN is NaN, so padding must never hold a stray NaN.
-        # The last block is scratch: where the padding rows of a CUDA graph's batch write their K/V (engine/graphs.py).
-        self.pool = BlockPool(num_blocks, first_block=1)
-        self.scratch_slot = (num_blocks + 1) * block_size
-        shape = (spec.num_layers, num_blocks + 2, block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        sliding = spec.sliding_layers if sliding_blocks and spec.num_sliding else (False,) * spec.num_layers
+        self.window = spec.window if any(sliding) else 0
+        self.full = _Pool.build(spec, sliding.count(False), num_blocks, block_size, device)
+        self.sliding = _Pool.build(spec, sliding.count(True), sliding_blocks, block_size, device) \
+            if self.window else None
+        # Each layer's pool (True: the sliding one) and its index among that pool's layers.
+        self.layer_pools = tuple((slides, sliding[:i].count(slides)) for i, slides in enumerate(sliding))
         self.device = device
-        self.tables: dict[int, list[int]] = {}
-        self._live: Counter[int] = Counter()  # block -> how many live sequences' tables hold it
-        self.prefix_cache = RadixCache(self.pool, block_size) if prefix_caching else None
+        sliding_pool = None if self.sliding is None else self.sliding.blocks
+        self.prefix_cache = RadixCache(self.pool, block_size, sliding_pool, self.window) if prefix_caching else None
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.full.blocks
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.full.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.full.v
+
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        return self.full.tables
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.full.scratch_slot
+
+    @property
+    def pools(self) -> list[_Pool]:
+        return [self.full] if self.sliding is None else [self.full, self.sliding]
 
     @property
     def capacity_tokens(self) -> int:
@@ -64,33 +135,55 @@ class PagedKVCache:
         return len(self.tables)
 
     def usage(self) -> float:
-        """Share of blocks held by live requests (blocks only the prefix cache holds are free to evict)."""
-        return len(self._live) / self.pool.num_blocks
+        """Share of blocks held by live requests (blocks only the prefix cache holds are free to evict), of the
+        fuller pool."""
+        return max(len(p.live) / p.blocks.num_blocks for p in self.pools)
 
     def occupancy(self) -> dict[str, float | int]:
         """For the dashboard: blocks live sequences hold, blocks only the prefix cache holds (free to evict), all
         (read from another thread while the loop runs: a glance, each count of its own moment)."""
-        live = len(self._live)
-        return {"usage": live / self.pool.num_blocks, "block_size": self.block_size, "blocks_used": live,
-                "blocks_cached": max(0, self.pool.num_used - live), "blocks_total": self.pool.num_blocks}
+        live = len(self.full.live)
+        counts: dict[str, float | int] = {
+            "usage": self.usage(), "block_size": self.block_size, "blocks_used": live,
+            "blocks_cached": max(0, self.pool.num_used - live), "blocks_total": self.pool.num_blocks}
+        if self.sliding is not None:
+            counts |= {"sliding_blocks_used": len(self.sliding.live),
+                       "sliding_blocks_total": self.sliding.blocks.num_blocks}
+        return counts
 
     def blocks_of(self, seq_id: int) -> int:
         return len(self.tables.get(seq_id, ()))
 
-    def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool:
-        """Make room for the sequence's first num_tokens tokens; False (and nothing taken) if the pool is short."""
-        table = self.tables.get(seq_id, [])
-        need = -(-num_tokens // self.block_size) - len(table)
+    def reserve(self, seq_id: int, num_tokens: int, final_len: int, computed: int = 0) -> bool:
+        """Make room for the sequence's first num_tokens tokens, of which `computed` are in the cache already (the
+        sliding pool first lets go of the blocks no query from there on sees); False (and nothing taken) if a
+        pool is short."""
+        if self.sliding is not None:
+            self._pass_window(seq_id, computed)
+        need = -(-num_tokens // self.block_size) - len(self.tables.get(seq_id, ()))
         if need <= 0:
             return True
-        if need > self.pool.num_free and self.prefix_cache is not None:
-            self.prefix_cache.evict(need - self.pool.num_free)
-        if need > self.pool.num_free:
-            return False
-        blocks = self.pool.allocate(need)
-        self._live.update(blocks)
-        self.tables[seq_id] = table + blocks
+        for pool in self.pools:
+            short = need - pool.blocks.num_free
+            if short > 0 and self.prefix_cache is not None:
+                # Evicting full blocks frees their sliding blocks as well.
+                evict = self.prefix_cache.evict if pool is self.full else self.prefix_cache.evict_sliding
+                evict(short)
+            if need > pool.blocks.num_free:
+                return False
+        for pool in self.pools:
+            pool.hold(seq_id, pool.blocks.allocate(need))
         return True
+
+    def _pass_window(self, seq_id: int, computed: int) -> None:
+        """Free the sequence's sliding blocks wholly before the window of its next token (position `computed`)."""
+        assert self.sliding is not None
+        table = self.sliding.tables.get(seq_id, [])
+        i = min(max(0, computed - self.window + 1) // self.block_size, len(table)) - 1
+        while i >= 0 and table[i]:  # the blocks before the last one freed are all freed
+            self.sliding.release(table[i])
+            table[i] = 0
+            i -= 1
 
     def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
         """On admission: share the longest cached prefix (whole blocks, never the last token, whose logits are
@@ -98,73 +191,91 @@ class PagedKVCache:
         if self.prefix_cache is None or self.tables.get(seq_id):
             return 0
         usable = (len(tokens) - 1) // self.block_size * self.block_size
-        blocks = self.prefix_cache.match(tokens[:usable])
-        for block in blocks:
-            self.pool.ref(block)
-        self._live.update(blocks)
-        self.tables[seq_id] = blocks
+        blocks, sliding = self.prefix_cache.match(tokens[:usable])
+        for pool, held in zip(self.pools, (blocks, sliding), strict=False):
+            for block in held:
+                if block:
+                    pool.blocks.ref(block)
+            pool.hold(seq_id, held)
         return len(blocks) * self.block_size
 
     def cache(self, seq_id: int, tokens: list[int]) -> None:
         """Offer a sequence's computed tokens to the prefix cache (their full blocks become shareable)."""
         if self.prefix_cache is not None and seq_id in self.tables:
-            self.prefix_cache.insert(tokens, self.tables[seq_id])
+            self.prefix_cache.insert(tokens, self.tables[seq_id],
+                                     None if self.sliding is None else self.sliding.tables[seq_id])
 
     def free(self, seq_id: int) -> None:
-        blocks = self.tables.pop(seq_id, [])
-        self._live.subtract(blocks)
-        for block in blocks:
-            self.pool.free(block)
-            if not self._live[block]:
-                del self._live[block]
+        for pool in self.pools:
+            for block in pool.tables.pop(seq_id, []):
+                if block:
+                    pool.release(block)
 
     def prepare(self, slices: list[SequenceSlice]) -> PagedMetadata:
+        decodes = [s for s in slices if s.num_tokens == 1 or s.as_decodes]
+        assert all(s.num_tokens == 1 or s.as_decodes for s in slices[:len(decodes)]), "decodes must lead the batch"
+        meta, *sliding = [self._view(pool, slices, decodes) for pool in self.pools]
+        if sliding:
+            meta.sliding, meta.layer_pools = sliding[0], self.layer_pools
+        return meta
+
+    def _view(self, pool: _Pool, slices: list[SequenceSlice], decodes: list[SequenceSlice]) -> PagedMetadata:
+        """The step over one pool."""
+        chunks = slices[len(decodes):]
+        device = self.device
+        lengths = [p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)]
+        # On CUDA with the GPU kernels every prefill chunk of the step attends in one launch.
+        batch = self._prefill_batch(pool, chunks) if chunks and gpu.serves(device) else None
+        meta = PagedMetadata(
+            k_cache=pool.k, v_cache=pool.v, slot_mapping=self._slots(pool, slices), num_decodes=len(lengths),
+            decode_tables=self._row_tables(pool, decodes).flatten(),
+            decode_lengths=torch.tensor(lengths, dtype=torch.long, device=device),
+            prefills=[] if batch else [(s, torch.tensor(pool.tables[s.seq_id], device=device)) for s in chunks],
+            prefill_batch=batch)
+        if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
+            meta.row_tables = self._row_tables(pool, slices)
+            meta.row_lengths = torch.tensor([p + 1 for s in slices for p in range(s.start, s.start + s.num_tokens)],
+                                            dtype=torch.long, device=device)
+        return meta
+
+    def _slots(self, pool: _Pool, slices: list[SequenceSlice]) -> torch.Tensor:
+        """Where each new token's K/V goes in the pool's flattened tensors."""
         bs = self.block_size
         slots: list[int] = []
         for s in slices:
-            table = self.tables[s.seq_id]
+            table = pool.tables[s.seq_id]
             slots += [table[p // bs] * bs + p % bs for p in range(s.start, s.start + s.num_tokens)]
-        decodes = [s for s in slices if s.num_tokens == 1 or s.as_decodes]
-        assert all(s.num_tokens == 1 or s.as_decodes for s in slices[:len(decodes)]), "decodes must lead the batch"
-        rows = [s.num_tokens for s in decodes]
-        tables = self._padded_tables(decodes).repeat_interleave(torch.tensor(rows, dtype=torch.long), dim=0)
-        lengths = [p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)]
-        chunks = slices[len(decodes):]
-        batch = self._prefill_batch(chunks) if chunks and gpu.serves(self.device) else None  # one kernel launch
-        prefills = [] if batch else [(s, torch.tensor(self.tables[s.seq_id], device=self.device)) for s in chunks]
-        row_tables = row_lengths = None
-        if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
-            rows_of = torch.tensor([s.num_tokens for s in slices])
-            row_tables = self._padded_tables(slices).repeat_interleave(rows_of, dim=0).to(self.device)
-            row_lengths = torch.tensor([p + 1 for s in slices for p in range(s.start, s.start + s.num_tokens)],
-                                       dtype=torch.long, device=self.device)
-        return PagedMetadata(
-            k_cache=self.k, v_cache=self.v, slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=sum(rows), decode_tables=tables.flatten().to(self.device),
-            decode_lengths=torch.tensor(lengths, dtype=torch.long, device=self.device), prefills=prefills,
-            row_tables=row_tables, row_lengths=row_lengths, prefill_batch=batch,
-        )
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
 
-    def _prefill_batch(self, chunks: list[SequenceSlice]) -> PrefillBatch:
-        """The step's prefill chunks as one batch for the GPU kernel."""
+    def _row_tables(self, pool: _Pool, slices: list[SequenceSlice]) -> torch.Tensor:
+        """Each slice's table (padded) once for every one of its rows, on the device."""
+        rows = torch.tensor([s.num_tokens for s in slices], dtype=torch.long)
+        return self._padded_tables(pool, slices).repeat_interleave(rows, dim=0).to(self.device)
+
+    def _prefill_batch(self, pool: _Pool, chunks: list[SequenceSlice]) -> PrefillBatch:
+        """The step's prefill chunks as one batch for the GPU kernel, over the pool."""
         block_seq, block_row = gpu.prefill_blocks([s.num_tokens for s in chunks])
         rows = [0, *itertools.accumulate(s.num_tokens for s in chunks)]
         small = torch.tensor([s.start for s in chunks] + rows + block_seq + block_row, dtype=torch.long)
         small = small.to(self.device, non_blocking=True).split([len(chunks), len(rows), len(block_seq), len(block_row)])
-        return PrefillBatch(self._padded_tables(chunks).to(self.device, non_blocking=True), *small)
+        return PrefillBatch(self._padded_tables(pool, chunks).to(self.device, non_blocking=True), *small)
 
-    def decode_rows(self, seq_ids: list[int], positions: list[int], tables: np.ndarray) -> list[int]:
-        """A decode step's rows for a CUDA graph's inputs (engine/graphs.py): each sequence's block table written
-        into tables [>= rows, width] (null-padded); returns the slot of each row's new token."""
+    def decode_rows(self, seq_ids: list[int], positions: list[int], tables: np.ndarray) -> list[list[int]]:
+        """A decode step's rows for a CUDA graph's inputs (engine/graphs.py): each sequence's block table of each pool
+        written into tables [pools, >= rows, width] (null-padded); returns each pool's slots of the rows' new
+        tokens."""
         bs = self.block_size
-        own = [self.tables[seq_id] for seq_id in seq_ids]
-        tables[:len(own)] = 0
-        _fill_rows(tables, own)
-        return [table[p // bs] * bs + p % bs for table, p in zip(own, positions, strict=True)]
+        slots = []
+        for pool, out in zip(self.pools, tables, strict=False):
+            own = [pool.tables[seq_id] for seq_id in seq_ids]
+            out[:len(own)] = 0
+            _fill_rows(out, own)
+            slots.append([table[p // bs] * bs + p % bs for table, p in zip(own, positions, strict=True)])
+        return slots
 
-    def _padded_tables(self, slices: list[SequenceSlice]) -> torch.Tensor:
+    def _padded_tables(self, pool: _Pool, slices: list[SequenceSlice]) -> torch.Tensor:
         """[slices, longest table] block ids, padded with the null block."""
-        own = [self.tables[s.seq_id] for s in slices]
+        own = [pool.tables[s.seq_id] for s in slices]
         tables = torch.zeros(len(own), max(map(len, own), default=1), dtype=torch.long)
         _fill_rows(tables.numpy(), own)
         return tables
@@ -204,7 +315,7 @@ class ContiguousKVCache:
     def cache(self, seq_id: int, tokens: list[int]) -> None:
         pass
 
-    def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool:
+    def reserve(self, seq_id: int, num_tokens: int, final_len: int, computed: int = 0) -> bool:
         """The first call reserves the sequence's whole final length; later calls only check."""
         if seq_id in self.buffers:
             return num_tokens <= self.buffers[seq_id].shape[2]

@@ -41,21 +41,48 @@ def _available_memory(device: torch.device) -> int:
 def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max_tokens_needed: int) -> KVCache:
     """Size KV memory from config.kv_cache_memory or the free memory, never beyond max_tokens_needed tokens."""
     budget = parse_size(config.kv_cache_memory) if config.kv_cache_memory else _available_memory(device)
-    tokens = min(budget // spec.bytes_per_token, max_tokens_needed)
     cache: KVCache
     if config.kv == "paged":
-        num_blocks = tokens // config.block_size
+        num_blocks, sliding_blocks = _paged_blocks(config, spec, budget, max_tokens_needed)
         if num_blocks < 1:
             raise ConfigError(f"KV memory of {budget} bytes holds no block of {config.block_size} tokens")
-        cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, config.deterministic)
+        cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, config.deterministic,
+                             sliding_blocks)
     elif config.kv == "contiguous" and config.deterministic:
         raise ConfigError("--deterministic needs --kv paged: its attention reads every row through the block tables")
     elif config.kv == "contiguous":
         if config.prefix_caching:
             log.info("prefix caching needs the paged layout: off with --kv contiguous")
-        cache = ContiguousKVCache(spec, device, tokens)
+        cache = ContiguousKVCache(spec, device, min(budget // spec.bytes_per_token, max_tokens_needed))
     else:
         raise ConfigError(f"unknown KV layout {config.kv!r}: choose paged or contiguous")
-    log.info("KV cache: %s, %.2f GiB for %d tokens (%d bytes per token)", config.kv,
-             cache.capacity_tokens * spec.bytes_per_token / 2**30, cache.capacity_tokens, spec.bytes_per_token)
+    if isinstance(cache, PagedKVCache) and cache.sliding is not None:
+        full_layers, sliding = spec.num_layers - spec.num_sliding, cache.sliding.blocks.num_blocks * config.block_size
+        log.info("KV cache: paged, %.2f GiB for %d tokens of the %d global layers and %d of the %d sliding layers, "
+                 "which keep only their last %d (--no-sliding-window-kv: every layer keeps every token)",
+                 (cache.capacity_tokens * full_layers + sliding * spec.num_sliding) * spec.layer_bytes_per_token
+                 / 2**30, cache.capacity_tokens, full_layers, sliding, spec.num_sliding, spec.window)
+    else:
+        log.info("KV cache: %s, %.2f GiB for %d tokens (%d bytes per token)", config.kv,
+                 cache.capacity_tokens * spec.bytes_per_token / 2**30, cache.capacity_tokens, spec.bytes_per_token)
     return cache
+
+
+def _paged_blocks(config: EngineConfig, spec: KVSpec, budget: int, max_tokens_needed: int) -> tuple[int, int]:
+    """Blocks of the pool of every layer (or of the global layers, with sliding-window layers), and of the sliding
+    layers' own pool (0: none). That one holds the windows of --max-num-seqs sequences and one step's prompt tokens,
+    and never more blocks than the other: a sequence holds at most as many sliding blocks as global ones. The rest
+    of the budget goes to the global layers, up to max_tokens_needed tokens."""
+    bs = config.block_size
+    cap = -(-max_tokens_needed // bs)
+    if config.kv != "paged" or not (config.sliding_window_kv and spec.num_sliding):
+        return min(budget // (bs * spec.bytes_per_token), cap), 0
+    sliding_block = bs * spec.num_sliding * spec.layer_bytes_per_token
+    full_block = bs * (spec.num_layers - spec.num_sliding) * spec.layer_bytes_per_token
+    # The keys a token sees through the window straddle at most this many blocks, its own included.
+    per_sequence = (spec.window - 1) // bs + 2
+    sliding = min(config.max_num_seqs * per_sequence + -(-config.max_num_batched_tokens // bs), cap)
+    if budget < sliding * (sliding_block + full_block):  # no room to spare: as many blocks in each pool
+        return (blocks := budget // (sliding_block + full_block)), blocks
+    full = cap if not full_block else min(cap, (budget - sliding * sliding_block) // full_block)
+    return full, sliding

@@ -42,13 +42,14 @@ class DecodeGraphs:
         device = kv_cache.k.device
         width = -(-max_model_len // kv_cache.block_size)
         largest = self.sizes[-1]
-        # Rows: token ids, positions, slots, key counts. Staged on the host (pinned where there is a GPU), copied to
-        # the device in two copies a step.
-        self.inputs = torch.zeros(4, largest, dtype=torch.long, device=device)
-        self.tables = torch.zeros(largest, width, dtype=torch.long, device=device)
+        pools = len(kv_cache.pools)  # a sliding-window model's sliding layers have a pool (slots, tables) of their own
+        # Rows: token ids, positions, key counts, then each pool's slots; tables [pools, rows, width]. Staged on the
+        # host (pinned where there is a GPU), copied to the device in two copies a step.
+        self.inputs = torch.zeros(3 + pools, largest, dtype=torch.long, device=device)
+        self.tables = torch.zeros(pools, largest, width, dtype=torch.long, device=device)
         pin = device.type == "cuda"
-        self.host_inputs = torch.zeros(4, largest, dtype=torch.long, pin_memory=pin)
-        self.host_tables = torch.zeros(largest, width, dtype=torch.long, pin_memory=pin)
+        self.host_inputs = torch.zeros(3 + pools, largest, dtype=torch.long, pin_memory=pin)
+        self.host_tables = torch.zeros(pools, largest, width, dtype=torch.long, pin_memory=pin)
         # Written through numpy views of the same memory: a numpy write from a list costs ~1 us, torch's ~5-10.
         self._staged, self._staged_tables = self.host_inputs.numpy(), self.host_tables.numpy()
         self._pad(0)
@@ -73,14 +74,14 @@ class DecodeGraphs:
         size = self.size_for(rows)
         assert size is not None, f"a decode step of {rows} rows has no graph"
         staged = self._staged
-        staged[2, :rows] = self.kv_cache.decode_rows(seq_ids, positions, self._staged_tables)
+        staged[3:, :rows] = self.kv_cache.decode_rows(seq_ids, positions, self._staged_tables)
         staged[0, :rows] = input_ids
         staged[1, :rows] = positions
-        np.add(staged[1, :rows], 1, out=staged[3, :rows])  # key counts
+        np.add(staged[1, :rows], 1, out=staged[2, :rows])  # key counts
         self._pad(rows)
-        self._staged_tables[rows:size] = 0
-        self.inputs.copy_(self.host_inputs, non_blocking=True)  # whole (4 x largest, a few KiB): a contiguous copy
-        self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+        self._staged_tables[:, rows:size] = 0
+        self.inputs.copy_(self.host_inputs, non_blocking=True)  # whole (a few rows of largest): a contiguous copy
+        self.tables[:, :size].copy_(self.host_tables[:, :size], non_blocking=True)
         return self.replays[size]()[:rows]
 
     def _pad(self, rows: int) -> None:
@@ -88,14 +89,18 @@ class DecodeGraphs:
         block's zeros) to attend."""
         staged = self._staged
         staged[0:2, rows:] = 0
-        staged[2, rows:] = self.kv_cache.scratch_slot
-        staged[3, rows:] = 1
+        staged[2, rows:] = 1
+        for i, pool in enumerate(self.kv_cache.pools):
+            staged[3 + i, rows:] = pool.scratch_slot
 
     def _forward(self, size: int) -> torch.Tensor:
         kv = self.kv_cache
-        meta = PagedMetadata(
-            k_cache=kv.k, v_cache=kv.v, slot_mapping=self.inputs[2, :size], num_decodes=size,
-            decode_tables=self.tables[:size].view(-1), decode_lengths=self.inputs[3, :size], prefills=[])
+        meta, *sliding = [PagedMetadata(
+            k_cache=pool.k, v_cache=pool.v, slot_mapping=self.inputs[3 + i, :size], num_decodes=size,
+            decode_tables=self.tables[i, :size].view(-1), decode_lengths=self.inputs[2, :size], prefills=[])
+            for i, pool in enumerate(kv.pools)]
+        if sliding:
+            meta.sliding, meta.layer_pools = sliding[0], kv.layer_pools
         hidden = self.model(self.inputs[0, :size], self.inputs[1, :size], meta)
         return self.model.compute_logits(hidden)
 

@@ -55,7 +55,7 @@ class _Budget:
 class KVReserver(Protocol):
     """What the scheduler needs from KV memory."""
 
-    def reserve(self, seq_id: int, num_tokens: int, final_len: int) -> bool: ...
+    def reserve(self, seq_id: int, num_tokens: int, final_len: int, computed: int = 0) -> bool: ...
     def free(self, seq_id: int) -> None: ...
     def match_prefix(self, seq_id: int, tokens: list[int]) -> int: ...
     def cache(self, seq_id: int, tokens: list[int]) -> None: ...
@@ -126,7 +126,7 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            if n > 1 and seq.decoding and not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, seq.final_len):
+            if n > 1 and seq.decoding and not self._reserve(seq, n):
                 n = 1  # proposals never preempt anyone: without room for them, a plain decode
             preempted |= self._reserve_preempting(seq, n)
             if seq.status == Status.RUNNING:
@@ -139,7 +139,7 @@ class Scheduler:
         """Room for seq's next n tokens, preempting the newest running sequence until it fits (or seq is itself
         the newest, and goes back to waiting); True if anyone was preempted."""
         preempted = False
-        while not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, seq.final_len):
+        while not self._reserve(seq, n):
             victim = self.running[-1]
             self._evict(victim)
             self.stats.preemptions += 1
@@ -158,7 +158,7 @@ class Scheduler:
             cached = 0 if seq.pooling == "mean" else self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
             seq.num_computed_tokens = cached
             n = self._chunk(seq, budget)
-            if n == 0 or not self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, seq.final_len):
+            if n == 0 or not self._reserve(seq, n):
                 self.kv.free(seq.seq_id)  # drop the prefix references; it is looked up again next time
                 seq.num_computed_tokens = 0
                 if n == 0:
@@ -172,6 +172,10 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._take(plan, budget, seq, n)
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """KV room for seq's next n tokens."""
+        return self.kv.reserve(seq.seq_id, seq.num_computed_tokens + n, seq.final_len, seq.num_computed_tokens)
 
     def _take(self, plan: list[ScheduledSequence], budget: _Budget, seq: Sequence, n: int) -> None:
         if budget.long is not None and not seq.decoding and self._is_long(seq):
@@ -211,7 +215,7 @@ class Scheduler:
         """One suspect alone, all its remaining tokens in one step."""
         seq = self.isolated[0]
         if seq.status == Status.WAITING:
-            if not self.kv.reserve(seq.seq_id, seq.num_tokens, seq.final_len):
+            if not self._reserve(seq, seq.num_tokens - seq.num_computed_tokens):
                 self.isolated.clear()  # no room to run it alone: back to normal scheduling
                 return self.schedule()
             self.waiting.remove(seq)

@@ -59,6 +59,17 @@ class PagedMetadata:
     row_tables: torch.Tensor | None = None
     row_lengths: torch.Tensor | None = None
     prefill_batch: PrefillBatch | None = None
+    # Sliding-window layers in a pool of their own (cache/kv_cache.py): the step over that pool (its tensors, slots
+    # and tables; the same rows), and each layer's pool (True: the sliding one) and index among its layers.
+    sliding: PagedMetadata | None = None
+    layer_pools: tuple[tuple[bool, int], ...] = ()
+
+    def of_layer(self, layer: int) -> tuple[PagedMetadata, int]:
+        """The step over the pool that holds layer's KV, and the layer's index in that pool's tensors."""
+        if self.sliding is None:
+            return self, layer
+        slides, index = self.layer_pools[layer]
+        return (self.sliding if slides else self), index
 
 
 @dataclass
@@ -142,7 +153,8 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float, window: int) -> torch.Tensor:
-    """Attention over the pool, this step's K/V already written to it."""
+    """Attention over the pool, this step's K/V already written to it (meta: the step over the layer's pool, layer:
+    its index there)."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]  # [blocks, block size, kv heads, dim]
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     b = meta.num_decodes
@@ -208,6 +220,7 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, met
     """q: [tokens, heads, dim]; k, v: [tokens, kv heads, dim] (this step's new tokens) -> [tokens, heads, dim].
     window > 0: a sliding layer's, each query sees the `window` keys up to its own (masked out of a full KV cache)."""
     if isinstance(meta, PagedMetadata):
+        meta, layer = meta.of_layer(layer)
         k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
@@ -223,6 +236,7 @@ def fused_rotary_attention(layer: int, qkv: torch.Tensor, rope: tuple[torch.Tens
     does not run (no kernels, not a paged pool): the caller takes the torch path."""
     if not isinstance(meta, PagedMetadata):
         return None
+    meta, layer = meta.of_layer(layer)
     cos, sin = rope
     if gpu.runs(qkv):
         q = gpu.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer], meta.slot_mapping, heads,

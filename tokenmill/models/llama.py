@@ -221,17 +221,19 @@ class LlamaModel(nn.Module):
         """Every layer as one op each; x (the residual stream) is updated in place. Returns the last MLP output."""
         first = cast(DecoderLayer, self.layers[0])
         eps = first.input_layernorm.eps
-        tables = meta.decode_tables.view(meta.num_decodes, -1)
+        pools = [meta] if meta.sliding is None else [meta, meta.sliding]  # the steps over each KV pool
+        tables = [pool.decode_tables.view(meta.num_decodes, -1) for pool in pools]
         # registry.py sets every layer's alike
         tiles_from_rows = cast(QuantizedLinear, first.self_attn.qkv_proj).tiles_from_rows
         pending = torch.empty(0)
         layers = zip(cast(list[DecoderLayer], self.layers), cast(list, self.fused_decode), ropes, strict=True)
         for i, (layer, (weights, layouts), (cos, sin)) in enumerate(layers):
             attn = layer.self_attn
+            pool, index = meta.of_layer(i)
             pending = torch.ops.tokenmill.decode_layer(
-                x, pending, weights, layouts, cos, sin, meta.k_cache[i], meta.v_cache[i], meta.slot_mapping, tables,
-                meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale, tiles_from_rows, attn.window,
-                cast(MLP, layer.mlp).gelu)
+                x, pending, weights, layouts, cos, sin, pool.k_cache[index], pool.v_cache[index], pool.slot_mapping,
+                tables[pool is not meta], meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale,
+                tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu)
         return pending
 
 
