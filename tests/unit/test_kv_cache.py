@@ -77,5 +77,6 @@ def test_kv_memory_gives_the_sliding_pool_max_num_seqs_windows_and_the_rest_to_t
     # Capped by what max_num_seqs contexts need; too small a budget for the windows: the same blocks in each pool.
     assert sizes(build_kv_cache(config, spec, CPU, max_tokens_needed=160 * 16)) == (160, 136)
     assert sizes(build_kv_cache(config, spec, CPU, max_tokens_needed=100 * 16)) == (100, 100)
-    small = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="1MiB")
-    assert sizes(build_kv_cache(small, spec, CPU, max_tokens_needed=1 << 20)) == (3, 3)
+    for memory, blocks in (("1MiB", 3), ("36MiB", 128)):  # 36 MiB: the windows' 136 blocks (32 MiB) fit, alone
+        small = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=memory)
+        assert sizes(build_kv_cache(small, spec, CPU, max_tokens_needed=1 << 20)) == (blocks, blocks)
