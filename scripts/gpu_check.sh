@@ -6,8 +6,11 @@
 #    alone against a batch of 32, prefix cache, chunks, preemption, aborts) and the random-model fidelity tests, on
 #    CUDA; 2. two synthetic Llama GGUFs of random weights (F16) with SmolLM2's tokenizer: the default model's shape
 #    (135M) and TinyLlama's (1.1B); 3. for each, bf16 decode tok/s at 1, 32 and 256 streams and prefill tok/s, with
-#    and without CUDA graphs, and a profile of one-stream decode steps each way (tokenmill.bench.decode).
-# Writes tests.txt, bench-135m.txt, bench-1b.txt and gpu.txt into OUT_DIR (default $OUT, else /tmp/gpu-check).
+#    and without CUDA graphs, and a profile of one-stream decode steps each way (tokenmill.bench.decode); 4. where
+#    scripts/gpu_kit_llama.sh built .gpu/llama-batched-bench.xz, llama.cpp's CUDA build on the same two GGUFs: 128
+#    tokens after a 16-token prompt (about the bench's) at 1, 32 and 256 sequences, and 8 prompts of 1,000 tokens.
+# Writes tests.txt, bench-135m.txt, bench-1b.txt, llama.txt and gpu.txt into OUT_DIR (default $OUT, else
+# /tmp/gpu-check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/gpu-check}}
@@ -38,4 +41,20 @@ bench() {  # MODEL OUTPUT [FLAGS...]
 }
 bench /tmp/models/smollm2-shape.gguf bench-135m.txt --profile
 bench /tmp/models/tinyllama-shape.gguf bench-1b.txt
+if [ -f .gpu/llama-batched-bench.xz ]; then
+  llama=/tmp/llama-batched-bench
+  xz -dc .gpu/llama-batched-bench.xz > $llama && chmod +x $llama
+  # cudart and cuBLAS: the GPU image's nvidia wheels (PyTorch's), else its toolkit
+  libs=$(python3 -c "import glob, os, nvidia; print(':'.join(sorted({os.path.dirname(p) for d in nvidia.__path__
+    for p in glob.glob(d + '/**/lib*.so.*', recursive=True)})))")
+  export LD_LIBRARY_PATH="$libs:/usr/local/cuda/lib64:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  ldd $llama | grep "not found"
+  for model in smollm2-shape tinyllama-shape; do  # -ngl 99: every layer on the GPU; -fa on: flash attention
+    echo "$model"
+    timeout 120 $llama -m /tmp/models/$model.gguf -ngl 99 -fa on -c 40960 -b 2048 -ub 512 -npp 16 -ntg 128 \
+      -npl 1,32,256 2>>"$out/llama-log.txt"
+    timeout 60 $llama -m /tmp/models/$model.gguf -ngl 99 -fa on -c 8192 -b 2048 -ub 512 -npp 1000 -ntg 1 -npl 8 \
+      2>>"$out/llama-log.txt"
+  done 2>&1 | tee "$out/llama.txt"
+fi
 echo "all: $((SECONDS - started)) s" | tee -a "$out/gpu.txt"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Side by side over HTTP, in interleaved rounds: tokenmill (default), tokenmill --no-quantized-weights,
-# tokenmill --amx-from-rows 0 (no-tiles), tokenmill without its C++ kernels (TOKENMILL_NO_KERNELS=1), llama-server;
+# tokenmill --amx-from-rows 0 (no-tiles), tokenmill without its C++ kernels (TOKENMILL_NO_KERNELS=1), tokenmill
+# --no-sliding-window-kv (one-pool: a sliding-window model's every layer in one KV pool), llama-server;
 # one server at a time, 2 threads each.
 #   LLAMA_SERVER=path/to/llama-server [SERVERS="tokenmill fp32 llama-server"] \
 #     bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
@@ -28,6 +29,7 @@ start() {
     dequantized) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-quantized-weights ;;
     no-tiles) exec $TM serve "$GGUF" --port $PORT --threads 2 --amx-from-rows 0 ;;
     no-kernels) TOKENMILL_NO_KERNELS=1 exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
+    one-pool) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-sliding-window-kv ;;
     llama-server) exec $LS -m "$GGUF" -t 2 -np 32 -c 65536 --host 127.0.0.1 --port $PORT ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac > "$OUT/$1.log" 2>&1 &
