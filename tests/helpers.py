@@ -290,10 +290,7 @@ def assert_no_live_blocks(engine: Engine) -> None:
     cached = kv.prefix_cache.num_blocks if kv.prefix_cache is not None else 0
     assert kv.pool.num_free + cached == kv.pool.num_blocks
     if kv.sliding is not None:  # the sliding layers' pool: the same, its blocks in the tree counted by walking it
-        nodes, stack = [], [kv.prefix_cache.root] if kv.prefix_cache is not None else []
-        while stack:
-            nodes.append(stack.pop())
-            stack.extend(nodes[-1].children.values())
+        nodes = kv.prefix_cache.nodes() if kv.prefix_cache is not None else ()
         cached = sum(1 for node in nodes for block in node.sliding if block)
         assert kv.sliding.blocks.num_free + cached == kv.sliding.blocks.num_blocks
 

@@ -214,29 +214,35 @@ class PagedKVCache:
     def prepare(self, slices: list[SequenceSlice]) -> PagedMetadata:
         decodes = [s for s in slices if s.num_tokens == 1 or s.as_decodes]
         assert all(s.num_tokens == 1 or s.as_decodes for s in slices[:len(decodes)]), "decodes must lead the batch"
-        meta, *sliding = [self._view(pool, slices, decodes) for pool in self.pools]
+        device = self.device
+        lengths = torch.tensor([p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)],
+                               dtype=torch.long, device=device)
+        row_lengths = None
+        if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
+            row_lengths = torch.tensor([p + 1 for s in slices for p in range(s.start, s.start + s.num_tokens)],
+                                       dtype=torch.long, device=device)
+        return self.joined([self._view(pool, slices, decodes, lengths, row_lengths) for pool in self.pools])
+
+    def joined(self, views: list[PagedMetadata]) -> PagedMetadata:
+        """One step's views of each pool (in self.pools' order) as the metadata the model takes."""
+        meta, *sliding = views
         if sliding:
             meta.sliding, meta.layer_pools = sliding[0], self.layer_pools
         return meta
 
-    def _view(self, pool: _Pool, slices: list[SequenceSlice], decodes: list[SequenceSlice]) -> PagedMetadata:
-        """The step over one pool."""
+    def _view(self, pool: _Pool, slices: list[SequenceSlice], decodes: list[SequenceSlice], lengths: torch.Tensor,
+              row_lengths: torch.Tensor | None) -> PagedMetadata:
+        """The step over one pool; lengths and row_lengths: the keys each decode row, and each row, sees."""
         chunks = slices[len(decodes):]
         device = self.device
-        lengths = [p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)]
         # On CUDA with the GPU kernels every prefill chunk of the step attends in one launch.
         batch = self._prefill_batch(pool, chunks) if chunks and gpu.serves(device) else None
-        meta = PagedMetadata(
+        return PagedMetadata(
             k_cache=pool.k, v_cache=pool.v, slot_mapping=self._slots(pool, slices), num_decodes=len(lengths),
-            decode_tables=self._row_tables(pool, decodes).flatten(),
-            decode_lengths=torch.tensor(lengths, dtype=torch.long, device=device),
+            decode_tables=self._row_tables(pool, decodes).flatten(), decode_lengths=lengths,
             prefills=[] if batch else [(s, torch.tensor(pool.tables[s.seq_id], device=device)) for s in chunks],
-            prefill_batch=batch)
-        if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
-            meta.row_tables = self._row_tables(pool, slices)
-            meta.row_lengths = torch.tensor([p + 1 for s in slices for p in range(s.start, s.start + s.num_tokens)],
-                                            dtype=torch.long, device=device)
-        return meta
+            prefill_batch=batch, row_tables=None if row_lengths is None else self._row_tables(pool, slices),
+            row_lengths=row_lengths)
 
     def _slots(self, pool: _Pool, slices: list[SequenceSlice]) -> torch.Tensor:
         """Where each new token's K/V goes in the pool's flattened tensors."""

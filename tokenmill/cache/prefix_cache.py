@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokenmill.cache.block_pool import BlockPool
@@ -146,10 +147,7 @@ class RadixCache:
         # parent of a leaf it removes whole: pushed then, the heap stays exactly the set of candidates.
         heap: list[tuple[int, int, int, Node]] = []
         order = itertools.count()  # breaks ties in last_access so that Nodes are never compared
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
+        for node in self.nodes():
             if tail := self._evictable_tail(node):
                 heap.append((node.last_access, next(order), tail, node))
         heapq.heapify(heap)
@@ -179,13 +177,8 @@ class RadixCache:
         node's from its start (a hit ending at or after the node's end needs its last ones); returns how many."""
         assert self.sliding_pool is not None
         pool = self.sliding_pool
-        nodes, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            nodes.append(node)
         freed = 0
-        for node in sorted(nodes, key=lambda n: n.last_access):
+        for node in sorted(self.nodes(), key=lambda n: n.last_access):
             held = [i for i, block in enumerate(node.sliding) if block and pool.refs(block) == 1]
             chosen = held[:num_blocks - freed]
             self._free_sliding(node, chosen)
@@ -193,6 +186,14 @@ class RadixCache:
             if freed == num_blocks:
                 break
         return freed
+
+    def nodes(self) -> Iterator[Node]:
+        """Every node, the root included (depth first)."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
 
     def _free_sliding(self, node: Node, indices: range | list[int]) -> None:
         for i in indices:

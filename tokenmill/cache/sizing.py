@@ -75,7 +75,7 @@ def _paged_blocks(config: EngineConfig, spec: KVSpec, budget: int, max_tokens_ne
     of the budget goes to the global layers, up to max_tokens_needed tokens."""
     bs = config.block_size
     cap = -(-max_tokens_needed // bs)
-    if config.kv != "paged" or not (config.sliding_window_kv and spec.num_sliding):
+    if not (config.sliding_window_kv and spec.num_sliding):
         return min(budget // (bs * spec.bytes_per_token), cap), 0
     sliding_block = bs * spec.num_sliding * spec.layer_bytes_per_token
     full_block = bs * (spec.num_layers - spec.num_sliding) * spec.layer_bytes_per_token

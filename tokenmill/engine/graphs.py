@@ -95,12 +95,10 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         kv = self.kv_cache
-        meta, *sliding = [PagedMetadata(
+        meta = kv.joined([PagedMetadata(
             k_cache=pool.k, v_cache=pool.v, slot_mapping=self.inputs[3 + i, :size], num_decodes=size,
             decode_tables=self.tables[i, :size].view(-1), decode_lengths=self.inputs[2, :size], prefills=[])
-            for i, pool in enumerate(kv.pools)]
-        if sliding:
-            meta.sliding, meta.layer_pools = sliding[0], kv.layer_pools
+            for i, pool in enumerate(kv.pools)])
         hidden = self.model(self.inputs[0, :size], self.inputs[1, :size], meta)
         return self.model.compute_logits(hidden)
 
