@@ -343,17 +343,33 @@ def tokens(start: int, count: int) -> list[int]:
     return list(range(start, start + count))
 
 
-def test_a_prompt_is_shareable_as_soon_as_its_prefill_ends() -> None:
-    sched, kv = prefix_scheduler(max_num_batched_tokens=8)
+def test_a_prompt_is_shareable_chunk_by_chunk_while_it_runs() -> None:
+    sched, kv = prefix_scheduler(max_num_batched_tokens=7)
     first = make(0, 0, prompt=tokens(10, 13))
     sched.add(first)
-    assert step(sched) == [(0, 8)]
-    assert kv.prefix_cache.num_blocks == 0  # half a prompt is not shared
-    assert step(sched) == [(0, 5)]
+    assert step(sched) == [(0, 7)]
+    assert kv.prefix_cache.num_blocks == 1  # the first chunk's full block
+    assert step(sched) == [(0, 6)]
     assert kv.prefix_cache.num_blocks == 3  # the prompt's 3 full blocks, while it still runs
     sched.add(second := make(1, 0, prompt=tokens(10, 12) + [99]))
     assert step(sched) == [(0, 1), (1, 1)] and second.num_cached_tokens == 12
     assert kv.pool.refs(kv.tables[1][0]) == 3  # the first, the second and the tree share a block
+
+
+def test_a_chunked_prompt_s_sliding_blocks_are_cached_before_its_window_passes_them() -> None:
+    """A sliding layer lets go of the blocks its window has passed, chunk by chunk: a request sharing only the
+    start of a long prompt still finds that start's sliding blocks in the tree."""
+    spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=1, dtype=torch.float32, sliding_layers=(True, False),
+                  window=8)
+    kv = PagedKVCache(spec, CPU, 32, BLOCK, prefix_caching=True, sliding_blocks=32)
+    sched = new_scheduler(kv, max_num_batched_tokens=8)
+    sched.add(long := make(0, 0, prompt=tokens(10, 40)))
+    while long.num_computed_tokens < 40:
+        step(sched)
+    assert kv.sliding is not None and kv.sliding.tables[0][:6] == [0] * 6  # passed by the window
+    sched.add(start := make(1, 0, prompt=tokens(10, 12) + [99]))
+    step(sched)
+    assert start.num_cached_tokens == 12
 
 
 def test_what_a_finished_sequence_computed_is_cached_unless_it_failed() -> None:

@@ -238,8 +238,10 @@ class Scheduler:
             seq = item.seq
             before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_tokens - len(item.draft)  # a draft's KV counts once accepted
-            if before < len(seq.prompt_ids) <= seq.num_computed_tokens:
-                self.kv.cache(seq.seq_id, seq.prompt_ids)  # a prompt is shareable as soon as its prefill ends
+            if before < len(seq.prompt_ids):
+                # A prompt's full blocks are shareable as each chunk ends: before a sliding window passes them
+                # (its layers' blocks are then freed), and for a request that arrives while the prompt still runs.
+                self.kv.cache(seq.seq_id, seq.prompt_ids[:seq.num_computed_tokens])
             if item.pools:
                 self.finish(seq, "stop")
                 finished.append(seq)
