@@ -50,6 +50,9 @@ def test_the_layout_holds_exactly_what_gguf_decodes(qtype: QType) -> None:
     # fp16 scales where the file's are fp16 fields themselves (the kernel reads less); K-quants' products fp32
     half = qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)
     assert weight.scales.dtype == (torch.float16 if half else torch.float32)
+    # Kept in the fewest bits that hold them: at one row the kernel's time is the bytes it reads.
+    bits = 4 if qtype in (QType.Q4_0, QType.Q4_1, QType.Q4_K) else 5 if "Q5" in qtype.name else 8
+    assert weight.bits == bits and weight.qweight.numel() == 16 * 512 * bits // 8
     assert torch.equal(weight.dequantize(), expected)
     order = torch.tensor([4, 0, 5])
     assert torch.equal(weight.rows(order).dequantize(), expected[order])
@@ -70,11 +73,24 @@ def test_stacked_parts_keep_their_values_whatever_their_scales_dtype() -> None:
     parts = [quantized_weight(random_blocks(t, rows, 256, seed=rows), t)
              for t, rows in ((QType.Q4_1, 20), (QType.Q4_K, 12), (QType.Q4_1, 5))]
     stacked = QuantizedWeight.stack(parts)
-    assert stacked is not None and stacked.scales.dtype == torch.float32 and stacked.shape == (37, 256)
+    assert stacked.scales.dtype == torch.float32 and stacked.shape == (37, 256)
     assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
     same = QuantizedWeight.stack([parts[0], parts[2]])
-    assert same is not None and same.scales.dtype == torch.float16
+    assert same.scales.dtype == torch.float16
     assert torch.equal(same.dequantize(), torch.cat([parts[0].dequantize(), parts[2].dequantize()]))
+
+
+@pytest.mark.parametrize(("types", "layout"), [
+    ((QType.Q5_0, QType.Q5_0), (5, 16, 32, False)),  # one layout: kept
+    ((QType.Q5_0, QType.Q8_0), (8, 0, 32, False)),  # a Q4_K_M file's query beside its value (Gemma 3)
+    ((QType.Q4_K, QType.Q6_K, QType.Q4_0), (8, 0, 16, True)),  # a Llama Q4_K_M's: Q6_K's scales per 16, Q4_K's mins
+])
+def test_parts_of_different_layouts_stack_in_the_8_bit_layout_that_holds_them(types: tuple[QType, ...],
+                                                                               layout: tuple[int, ...]) -> None:
+    parts = [quantized_weight(random_blocks(t, 8 + i, 256, seed=i), t) for i, t in enumerate(types)]
+    stacked = QuantizedWeight.stack(parts)
+    assert stacked.layout() == layout
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
 
 
 needs_kernels = pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")

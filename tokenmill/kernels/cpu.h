@@ -133,27 +133,32 @@ constexpr int64_t kInterleave = 16;
 
 // A weight kept quantized (layers/quantized.py): w = scale * (q - zero) + shift per `sub` weights.
 struct QuantizedMatrix {
-  const uint8_t* q;     // 4-bit: uint8 [groups, in / 32, 4, 16, 4]; else int8 [groups, in / 32, 8, 16, 4]
-  bool u4;
+  const uint8_t* q;     // [groups, in / 32, bits, 16, 4]: a row's block of 32 weights in `bits` chunks of 4 bytes
+  int bits;             // 4, 5 (both uint8) or 8 (int8)
   const void* scales;   // [groups, in / sub, 16], fp32, or fp16 where every scale is one (half_scales)
   const void* shift;    // [groups, in / sub, 16] of the scales' type, or nullptr
   bool half_scales;
-  int64_t zero;         // Q4_0: 8; else 0
+  int64_t zero;         // Q4_0: 8, Q5_0: 16; else 0
   int64_t sub, in, out;
 };
 
-// Calls f(U4, SUB, S{}) for w's layout, U4 and SUB as std::integral_constant: 4-bit weights with a scale per 32, or
-// 8-bit ones with a scale per 32 or per 16; S the scales' type, at::Half or float. Each kernel is a template on
-// the three, so the kernels that take a matrix dispatch through this one place.
+// Calls f(BITS, SUB, S{}) for w's layout, BITS and SUB as std::integral_constant: 4- or 5-bit weights with a scale
+// per 32, or 8-bit ones with a scale per 32 or per 16; S the scales' type, at::Half or float. Each kernel is a
+// template on the three, so the kernels that take a matrix dispatch through this one place.
 template <typename F>
 void with_layout(const QuantizedMatrix& w, F&& f) {
-  const auto scales = [&](auto u4, auto sub) { w.half_scales ? f(u4, sub, at::Half{}) : f(u4, sub, float{}); };
-  if (w.u4) {
-    scales(std::true_type{}, std::integral_constant<int, 32>{});
+  const auto scales = [&](auto bits, auto sub) {
+    w.half_scales ? f(bits, sub, at::Half{}) : f(bits, sub, float{});
+  };
+  using Sub32 = std::integral_constant<int, 32>;
+  if (w.bits == 4) {
+    scales(std::integral_constant<int, 4>{}, Sub32{});
+  } else if (w.bits == 5) {
+    scales(std::integral_constant<int, 5>{}, Sub32{});
   } else if (w.sub == 32) {
-    scales(std::false_type{}, std::integral_constant<int, 32>{});
+    scales(std::integral_constant<int, 8>{}, Sub32{});
   } else {
-    scales(std::false_type{}, std::integral_constant<int, 16>{});
+    scales(std::integral_constant<int, 8>{}, std::integral_constant<int, 16>{});
   }
 }
 

@@ -73,9 +73,15 @@ inline __m512 load_scales(const at::Half* p) {
 
 // 4-bit chunk c's tile rows 4c..4c+3: lane byte j holds weight 4c + j in its low nibble, 16 + 4c + j in its high one;
 // row 4c + i pairs the nibbles of bytes i >> 1 and (i >> 1) + 2, low ones for i even, high ones for i odd.
-template <int I>
-inline void nibble_row(const PairWriter& put, int c, __m512i v, __m512 scale, __m512 offset) {
-  const __m512i both = _mm512_and_si512(_mm512_srli_epi32(v, 4 * (I & 1) + 8 * (I >> 1)), _mm512_set1_epi32(0x000F000F));
+// 5-bit: the fifth bits of those weights (bit 2c + (i & 1) of the fifth chunk's bytes i >> 1 and (i >> 1) + 2) join
+// them as bit 4.
+template <int BITS, int I>
+inline void nibble_row(const PairWriter& put, int c, __m512i v, __m512i fifths, __m512 scale, __m512 offset) {
+  __m512i both = _mm512_and_si512(_mm512_srli_epi32(v, 4 * (I & 1) + 8 * (I >> 1)), _mm512_set1_epi32(0x000F000F));
+  if constexpr (BITS == 5) {
+    const __m512i bit = _mm512_srl_epi32(fifths, _mm_cvtsi32_si128(8 * (I >> 1) + 2 * c + (I & 1)));
+    both = _mm512_or_si512(both, _mm512_slli_epi32(_mm512_and_si512(bit, _mm512_set1_epi32(0x00010001)), 4));
+  }
   put(4 * c + I, _mm512_and_si512(both, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(both, 16), scale, offset);
 }
 
@@ -87,10 +93,10 @@ inline void byte_row(const PairWriter& put, int row, __m512i v, __m512 scale, __
 }
 
 // Block b of group g as one B tile (16 rows of 64 bytes at tile).
-template <bool U4, int SUB, typename S>
+template <int BITS, int SUB, typename S>
 void dequantize_block(const tokenmill::QuantizedMatrix& w, int64_t g, int64_t b, const PairWriter& put) {
-  constexpr int64_t kPerBlock = kBlock / SUB, kChunks = U4 ? 4 : 8;
-  const uint8_t* q = w.q + (g * (w.in / kBlock) + b) * kChunks * kLanes * 4;
+  constexpr int64_t kPerBlock = kBlock / SUB;
+  const uint8_t* q = w.q + (g * (w.in / kBlock) + b) * BITS * kLanes * 4;  // BITS chunks a block
   const int64_t k0 = (g * (w.in / SUB) + b * kPerBlock) * kLanes;
   __m512 scale[kPerBlock], offset[kPerBlock];
   for (int64_t h = 0; h < kPerBlock; ++h) {
@@ -98,13 +104,14 @@ void dequantize_block(const tokenmill::QuantizedMatrix& w, int64_t g, int64_t b,
     const __m512 shift = w.shift ? load_scales(static_cast<const S*>(w.shift) + k0 + h * kLanes) : _mm512_setzero_ps();
     offset[h] = _mm512_fnmadd_ps(scale[h], _mm512_set1_ps(static_cast<float>(w.zero)), shift);  // shift - scale*zero
   }
+  const __m512i fifths = BITS == 5 ? _mm512_loadu_si512(q + 4 * kLanes * 4) : _mm512_setzero_si512();
   for (int c = 0; c < 4; ++c) {
-    if constexpr (U4) {
+    if constexpr (BITS != 8) {
       const __m512i v = _mm512_loadu_si512(q + c * kLanes * 4);
-      nibble_row<0>(put, c, v, scale[0], offset[0]);
-      nibble_row<1>(put, c, v, scale[0], offset[0]);
-      nibble_row<2>(put, c, v, scale[0], offset[0]);
-      nibble_row<3>(put, c, v, scale[0], offset[0]);
+      nibble_row<BITS, 0>(put, c, v, fifths, scale[0], offset[0]);
+      nibble_row<BITS, 1>(put, c, v, fifths, scale[0], offset[0]);
+      nibble_row<BITS, 2>(put, c, v, fifths, scale[0], offset[0]);
+      nibble_row<BITS, 3>(put, c, v, fifths, scale[0], offset[0]);
     } else {
       for (int high = 0; high < 2; ++high) {
         const __m512i v = _mm512_loadu_si512(q + (c + 4 * high) * kLanes * 4);
@@ -193,7 +200,7 @@ void panel_product(const uint16_t* a, int64_t padded, int64_t blocks, Tiles tile
   }
 }
 
-template <bool U4, int SUB, typename S>
+template <int BITS, int SUB, typename S>
 void tile_matmul_typed(const float* x, int64_t rows, const tokenmill::QuantizedMatrix& w, float* out) {
   const int64_t padded = (rows + kTile - 1) / kTile * kTile, blocks = w.in / kBlock;
   const int64_t groups = (w.out + kLanes - 1) / kLanes, panels = (groups + 1) / 2;
@@ -215,7 +222,7 @@ void tile_matmul_typed(const float* x, int64_t rows, const tokenmill::QuantizedM
         PairWriter put;
         for (int64_t j = 0; j < n; ++j) {
           put.tile = dequantized(b) + j * kTileBytes / 2;
-          dequantize_block<U4, SUB, S>(w, g0 + j, b, put);
+          dequantize_block<BITS, SUB, S>(w, g0 + j, b, put);
         }
         return dequantized(b);
       };
@@ -249,8 +256,8 @@ bool tokenmill::tiles_available() {
 void tokenmill::tile_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out) {
 #if defined(TOKENMILL_AMX)
   TORCH_CHECK(tiles_available(), "AMX tiles are unavailable here");
-  tokenmill::with_layout(w, [&](auto u4, auto sub, auto s) {
-    tile_matmul_typed<decltype(u4)::value, decltype(sub)::value, decltype(s)>(x, rows, w, out);
+  tokenmill::with_layout(w, [&](auto bits, auto sub, auto s) {
+    tile_matmul_typed<decltype(bits)::value, decltype(sub)::value, decltype(s)>(x, rows, w, out);
   });
 #else
   (void)x, (void)rows, (void)w, (void)out;

@@ -3,7 +3,8 @@ Linear and Embedding that use it.
 
 A QuantizedWeight is w = scale * (q - zero) + min per block of `sub` weights along a row, which is exactly how GGUF's
 Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 dequantize (loader/gguf_blocks.py converts them, keeping every
-value: dequantize() equals gguf's own dequantization bit for bit in fp32). 4-bit types pack two weights a byte.
+value: dequantize() equals gguf's own dequantization bit for bit in fp32). 4-bit types pack two weights a byte,
+5-bit ones the same and a bit plane of their fifth bits; the others take a byte a weight.
 Rows are interleaved by 16 (INTERLEAVE), four weights of each row at a time, so that the kernel advances 16 output
 rows with one vector instruction.
 """
@@ -23,7 +24,9 @@ INTERLEAVE = 16  # output rows a group interleaves: kInterleave in kernels/cpu.h
 class QuantizedWeight:
     # [groups, in/32, chunks, 16, 4]: group g holds rows 16g..16g+15 (the last padded with zeros), a row's block of 32
     # weights as chunks of four bytes, chunk c of the 16 rows side by side. uint8, 4 chunks: byte j of a block holds
-    # weight j in its low nibble and weight 16+j in its high one; int8, 8 chunks: one weight a byte.
+    # weight j in its low nibble and weight 16+j in its high one; uint8, 5 chunks: those of the low four bits, then
+    # the fifth bits (byte k: of weight 4c+k in bit 2c, of 16+4c+k in bit 2c+1; kernels/quant.cpp); int8, 8 chunks:
+    # one weight a byte. The chunks a block takes are its bits a weight.
     qweight: torch.Tensor
     scales: torch.Tensor  # [groups, in/sub, 16]: fp32, or fp16 where every scale and min is an fp16 value
     mins: torch.Tensor | None  # [groups, in/sub, 16] of the scales' dtype, or None for 0
@@ -35,7 +38,8 @@ class QuantizedWeight:
     def interleave(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, zero: int,
                    sub: int) -> QuantizedWeight:
         """From rows one after another: q uint8 [out, in/2] (block b of 32 weights in bytes 16b..16b+15, weight j in
-        the low nibble of byte j and 16+j in its high one) or int8 [out, in]; scales and mins [out, in/sub]."""
+        the low nibble of byte j and 16+j in its high one), uint8 [out, in*5/8] (each block's 16 such bytes, then the
+        4 bytes of its fifth bits) or int8 [out, in]; scales and mins [out, in/sub]."""
         out = q.shape[0]
         pad = -out % INTERLEAVE
 
@@ -43,7 +47,7 @@ class QuantizedWeight:
             t = F.pad(t, (0, 0, 0, pad)) if pad else t
             return t.view(-1, INTERLEAVE, t.shape[1] // inner, inner).transpose(1, 2)
 
-        chunks = 4 if q.dtype == torch.uint8 else 8
+        chunks = q.shape[1] * 8 // (scales.shape[1] * sub)  # bytes a row's block of 32, over 4
         qweight = grouped(q, 4 * chunks).reshape(-1, q.shape[1] // (4 * chunks), INTERLEAVE, chunks, 4)
         return QuantizedWeight(
             qweight.transpose(2, 3).contiguous(), grouped(scales, 1).squeeze(-1).contiguous(),
@@ -58,8 +62,8 @@ class QuantizedWeight:
         return q, self.scales[g, :, lane], None if self.mins is None else self.mins[g, :, lane]
 
     @property
-    def packed4(self) -> bool:
-        return self.qweight.dtype == torch.uint8
+    def bits(self) -> int:
+        return self.qweight.shape[2]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,28 +76,51 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The dense [out, in] matrix, or the given rows of it."""
-        q, scales, mins = self.plain(rows)
-        n, width = q.shape[0], self.shape[1]
-        if self.packed4:
-            blocks = q.view(n, width // 32, 16).to(torch.int16)
-            q = torch.cat((blocks & 0x0F, blocks >> 4), dim=2)
-        w = (q.view(n, width // self.sub, self.sub).to(torch.int16) - self.zero).float() * scales.float()[..., None]
+        q, scales, mins = self.codes(rows)
+        n, width = q.shape
+        w = (q.view(n, width // self.sub, self.sub) - self.zero).float() * scales.float()[..., None]
         if mins is not None:
             w = w + mins.float()[..., None]
         return w.view(n, width).to(dtype)
+
+    def codes(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """plain()'s q as one int16 a weight [n, in] (before the zero point), its scales and mins."""
+        q, scales, mins = self.plain(rows)
+        n, width = q.shape[0], self.shape[1]
+        if self.bits == 8:
+            return q.view(n, width).to(torch.int16), scales, mins
+        blocks = q.view(n, width // 32, 4 * self.bits).to(torch.int16)
+        nibbles = blocks[..., :16]
+        q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=2)
+        if self.bits == 5:  # weight 4c+k's fifth bit in bit 2c of byte k of the fifth chunk, 16+4c+k's in 2c+1
+            at = torch.arange(4).view(4, 1)
+            fifths = blocks[..., None, 16:]  # [n, blocks, 1 (c), 4 (k)]
+            q = q | torch.cat([(fifths >> (2 * at + half) & 1).flatten(-2) << 4 for half in (0, 1)], dim=2)
+        return q.view(n, width), scales, mins
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight of the given rows (output features), in that order."""
         return QuantizedWeight.interleave(*self.plain(index), self.zero, self.sub)
 
-    def layout(self) -> tuple[torch.dtype, int, int, bool]:
-        return self.qweight.dtype, self.zero, self.sub, self.mins is not None
+    def layout(self) -> tuple[int, int, int, bool]:
+        return self.bits, self.zero, self.sub, self.mins is not None
+
+    def widened(self, sub: int, with_mins: bool) -> QuantizedWeight:
+        """The same values in the 8-bit layout with a scale per `sub` weights and, if with_mins, a min (q - zero
+        fits a signed byte for every type)."""
+        q, scales, mins = self.codes()
+        repeat = self.sub // sub
+        scales = scales.repeat_interleave(repeat, dim=1)
+        mins = torch.zeros_like(scales) if mins is None else mins.repeat_interleave(repeat, dim=1)
+        return QuantizedWeight.interleave((q - self.zero).to(torch.int8), scales, mins if with_mins else None, 0, sub)
 
     @staticmethod
-    def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
-        """The parts' rows one after another, or None when their layouts differ (the caller dequantizes them)."""
+    def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """The parts' rows one after another; where their layouts differ (a Q5_0 query beside a Q8_0 value, a Q4_K
+        one beside a Q6_K value), in the 8-bit layout that holds them all, still fewer bytes than a dense copy."""
         if len({p.layout() for p in parts}) != 1:
-            return None
+            sub, with_mins = min(p.sub for p in parts), any(p.mins is not None for p in parts)
+            parts = [p.widened(sub, with_mins) for p in parts]
         plains = [p.plain() for p in parts]
         dtype = torch.float32 if len({p.scales.dtype for p in parts}) > 1 else parts[0].scales.dtype
         mins = None if parts[0].mins is None else torch.cat([m.to(dtype) for _, _, m in plains])  # type: ignore[union-attr]

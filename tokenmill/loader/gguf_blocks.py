@@ -16,7 +16,25 @@ from gguf.quants import Q4_K
 
 from tokenmill.layers.quantized import QuantizedWeight
 
-_Parts = tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]  # q [n, per block], scales, mins, zero, sub
+# q [n, per block] (uint8 of 4 or 5 bits, or int8), scales, mins, zero, sub
+_Parts = tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]
+
+
+_FIVE_BITS = frozenset({QType.Q5_0, QType.Q5_1, QType.Q5_K})
+
+
+def _packed(q: np.ndarray, five: bool) -> np.ndarray:
+    """Weights of 4 or 5 bits [rows, blocks, 32] as QuantizedWeight.interleave takes them: per block, weight j and
+    16 + j in the low and high nibble of byte j; 5 bits: then 4 bytes of the fifth bits, of weight 4c + k in bit 2c
+    of byte k and of weight 16 + 4c + k in bit 2c + 1."""
+    rows = q.shape[0]
+    nibbles = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4)
+    if five:
+        bits = (q >> 4).reshape(rows, -1, 2, 4, 4)  # [rows, blocks, half, c, k]
+        shift = 2 * np.arange(4, dtype=np.uint8).reshape(4, 1) + np.arange(2, dtype=np.uint8).reshape(2, 1, 1)
+        fifths = (bits << shift).sum(axis=(2, 3), dtype=np.uint8)  # [rows, blocks, k]: distinct bits, so sum is or
+        nibbles = np.concatenate((nibbles, fifths), axis=2)
+    return nibbles.reshape(rows, -1)
 
 
 def _f16(field: np.ndarray) -> np.ndarray:
@@ -50,13 +68,11 @@ def _q8_0(b: np.ndarray) -> _Parts:
 
 
 def _q5_0(b: np.ndarray) -> _Parts:
-    q = (_nibbles(b[:, 6:]) | _high_bits(b[:, 2:6])).astype(np.int8) - np.int8(16)
-    return q, _f16(b[:, :2]), None, 0, 32
+    return _nibbles(b[:, 6:]) | _high_bits(b[:, 2:6]), _f16(b[:, :2]), None, 16, 32
 
 
 def _q5_1(b: np.ndarray) -> _Parts:
-    q = (_nibbles(b[:, 8:]) | _high_bits(b[:, 4:8])).astype(np.int8)
-    return q, _f16(b[:, :2]), _f16(b[:, 2:4]), 0, 32
+    return _nibbles(b[:, 8:]) | _high_bits(b[:, 4:8]), _f16(b[:, :2]), _f16(b[:, 2:4]), 0, 32
 
 
 def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -81,8 +97,7 @@ def _q5_k(b: np.ndarray) -> _Parts:
     scales, mins = _k_scales(b)
     n = b.shape[0]
     high = ((b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4
-    q = (_k_nibbles(b[:, 48:]) | high.reshape(n, -1)).astype(np.int8)
-    return q, scales, mins, 0, 32
+    return _k_nibbles(b[:, 48:]) | high.reshape(n, -1).astype(np.uint8), scales, mins, 0, 32
 
 
 def _q6_k(b: np.ndarray) -> _Parts:
@@ -107,10 +122,8 @@ def quantized_weight(data: np.ndarray, qtype: QType) -> QuantizedWeight:
     block_bytes, read = _READERS[qtype]
     rows = data.shape[0]
     q, scales, mins, zero, sub = read(data.reshape(-1, block_bytes))
-    q = q.reshape(rows, -1)
-    if q.dtype == np.uint8:  # 4-bit: two weights a byte, weight j and 16 + j of each 32-block together
-        blocks = q.reshape(rows, -1, 2, 16)
-        q = blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)
+    if q.dtype == np.uint8:
+        q = _packed(q.reshape(rows, -1, 32), qtype in _FIVE_BITS)
     # fp16 where that holds every value (the types whose scales are the file's fp16 fields: Q4_0, Q4_1, Q5_0, Q5_1,
     # Q8_0): the kernel reads 2 bytes less per 32 weights; the K-quants' products of two scales stay fp32.
     if all(a is None or np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (scales, mins)):

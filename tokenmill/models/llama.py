@@ -371,9 +371,7 @@ def _put(state: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight], 
 
 
 def _stack(group: list[torch.Tensor | QuantizedWeight], dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
-    """A fused parameter from its parts: quantized where every part is, in one layout; else dense."""
+    """A fused parameter from its parts: quantized where every part is; else dense."""
     if all(isinstance(part, QuantizedWeight) for part in group):
-        stacked = QuantizedWeight.stack(cast(list[QuantizedWeight], group))
-        if stacked is not None:
-            return stacked
+        return QuantizedWeight.stack(cast(list[QuantizedWeight], group))
     return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in group])
