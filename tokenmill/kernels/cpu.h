@@ -134,7 +134,7 @@ constexpr int64_t kInterleave = 16;
 // A weight kept quantized (layers/quantized.py): w = scale * (q - zero) + shift per `sub` weights.
 struct QuantizedMatrix {
   const uint8_t* q;     // [groups, in / 32, bits, 16, 4]: a row's block of 32 weights in `bits` chunks of 4 bytes
-  int bits;             // 4, 5 (both uint8) or 8 (int8)
+  int bits;             // 4, 5, 6 (uint8) or 8 (int8)
   const void* scales;   // [groups, in / sub, 16], fp32, or fp16 where every scale is one (half_scales)
   const void* shift;    // [groups, in / sub, 16] of the scales' type, or nullptr
   bool half_scales;
@@ -142,8 +142,17 @@ struct QuantizedMatrix {
   int64_t sub, in, out;
 };
 
+// 5- and 6-bit weights (quant.cpp's layout): the bits above the nibbles of chunk c, the low ones (half 0) or the
+// high ones (half 1), are in chunk high_chunk(half), from bit high_shift(c, half) of the same byte, high_mask wide.
+template <int BITS>
+constexpr int high_chunk(int half) { return BITS == 6 ? 4 + half : 4; }
+template <int BITS>
+constexpr int high_shift(int c, int half) { return BITS == 6 ? 2 * c : 2 * c + half; }
+template <int BITS>
+constexpr int high_mask() { return BITS == 6 ? 3 : 1; }
+
 // Calls f(BITS, SUB, S{}) for w's layout, BITS and SUB as std::integral_constant: 4- or 5-bit weights with a scale
-// per 32, or 8-bit ones with a scale per 32 or per 16; S the scales' type, at::Half or float. Each kernel is a
+// per 32, 6-bit ones with one per 16, or 8-bit ones with one per 32 or per 16; S the scales' type, at::Half or float. Each kernel is a
 // template on the three, so the kernels that take a matrix dispatch through this one place.
 template <typename F>
 void with_layout(const QuantizedMatrix& w, F&& f) {
@@ -155,6 +164,8 @@ void with_layout(const QuantizedMatrix& w, F&& f) {
     scales(std::integral_constant<int, 4>{}, Sub32{});
   } else if (w.bits == 5) {
     scales(std::integral_constant<int, 5>{}, Sub32{});
+  } else if (w.bits == 6) {
+    scales(std::integral_constant<int, 6>{}, std::integral_constant<int, 16>{});
   } else if (w.sub == 32) {
     scales(std::integral_constant<int, 8>{}, Sub32{});
   } else {

@@ -20,8 +20,11 @@
 //                            weight 4c + k in bit 2c of its byte k, of 16 + 4c + k in bit 2c + 1 (Q5_0, Q5_1,
 //                            Q5_K), so that one shift and one mask of the whole chunk move chunk c's fifth bits
 //                            beside its nibbles;
-//   8-bit (int8, 8 chunks):  weights 4c..4c+3 (Q8_0, Q6_K).
-// 5 bits read 5.5 to 7 bits a weight with the scales where 8 read 8.5 to 10: at one row, 1.4x less time.
+//   6-bit (uint8, 6 chunks): the 4-bit chunks, then two chunks of the top two bits, of weights 4c + k (chunk 4)
+//                            and of 16 + 4c + k (chunk 5) in bits 2c, 2c + 1 of byte k (Q6_K);
+//   8-bit (int8, 8 chunks):  weights 4c..4c+3 (Q8_0).
+// Fewer bits, fewer bytes to read: 5.5 to 7 bits a weight with the scales (Q5_*) and 8 (Q6_K) where a byte a
+// weight read 8.5 to 10; at one row the kernel's time follows.
 // scales and shift: [groups, in / sub, 16], w = scale * (q - zero) + shift per `sub` = 32 (or 16, 8-bit only)
 // weights; the shift (a min) may be absent, the zero point (Q4_0's 8) is one integer for the matrix. fp32, or fp16
 // where the file's scales are fp16 values themselves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 2 bytes less per 32 weights
@@ -85,13 +88,17 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, int64_t su
   return out;
 }
 
-// Weight j (0..31) of a row's block of a 4- or 5-bit group (row: the block's first byte of that row's lane).
+// Weight j (0..31) of a row's block of a 4-, 5- or 6-bit group (row: the block's first byte of that row's lane).
 template <int BITS>
 inline int32_t nibbled(const uint8_t* row, int64_t j) {
-  const int64_t c = (j & 15) / 4, k = j & 3;
+  const int c = static_cast<int>(j & 15) / 4, half = j >= 16;
+  const int64_t k = j & 3;
   const uint8_t byte = row[c * kLanes * 4 + k];
-  int32_t v = j < 16 ? (byte & 0x0F) : (byte >> 4);
-  if constexpr (BITS == 5) v |= ((row[4 * kLanes * 4 + k] >> (2 * c + (j >= 16))) & 1) << 4;
+  int32_t v = half ? (byte >> 4) : (byte & 0x0F);
+  if constexpr (BITS > 4) {
+    const uint8_t high = row[tokenmill::high_chunk<BITS>(half) * kLanes * 4 + k];
+    v |= ((high >> tokenmill::high_shift<BITS>(c, half)) & tokenmill::high_mask<BITS>()) << 4;
+  }
   return v;
 }
 
@@ -114,11 +121,12 @@ struct Isa {
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I low(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
   static I high(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
-  // nibbles | bit `from` of each byte of h as its bit 4 (shifts of at most 4 within 16-bit lanes keep to the byte)
-  static I fifth(I nibbles, I h, int from) {
+  // nibbles | each byte of h's bits from `from` (mask: of what width) moved to bit 4 (shifts of at most 4 within
+  // 16-bit lanes keep to the byte)
+  static I with_high(I nibbles, I h, int from, int mask) {
     const __m128i n = _mm_cvtsi32_si128(from > 4 ? from - 4 : 4 - from);
     const I moved = from > 4 ? _mm512_srl_epi16(h, n) : _mm512_sll_epi16(h, n);
-    return _mm512_or_si512(nibbles, _mm512_and_si512(moved, _mm512_set1_epi8(0x10)));
+    return _mm512_or_si512(nibbles, _mm512_and_si512(moved, _mm512_set1_epi8(static_cast<char>(mask << 4))));
   }
   static Signed8 signed8(I v) { return {_mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)))}; }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -149,10 +157,10 @@ struct Isa {
   static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I low(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
   static I high(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-  static I fifth(I nibbles, I h, int from) {
+  static I with_high(I nibbles, I h, int from, int mask) {
     const __m128i n = _mm_cvtsi32_si128(from > 4 ? from - 4 : 4 - from);
     const I moved = from > 4 ? _mm256_srl_epi16(h, n) : _mm256_sll_epi16(h, n);
-    return _mm256_or_si256(nibbles, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+    return _mm256_or_si256(nibbles, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(mask << 4))));
   }
   static Signed8 signed8(I v) { return {_mm256_sign_epi8(v, v), v}; }
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
@@ -215,37 +223,50 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
       if (lane0 == 0) prefetch(at + kAhead * block_bytes, block_bytes);
       typename V::I sums[N];
       // One scale's worth of weights (a block, or half of one): the integer sums, then one float multiply-add.
-      const auto finish = [&](int64_t k) {
+      const auto finish = [&](int64_t k, const typename V::I (&s)[N]) {
         const typename V::F scale = V::load_f(scales + k * kLanes + lane0);
-        for (int i = 0; i < N; ++i) acc[i] = V::fma(sums[i], scale, xs[i][b], acc[i]);
+        for (int i = 0; i < N; ++i) acc[i] = V::fma(s[i], scale, xs[i][b], acc[i]);
         if (shift) {
-          const typename V::F s = V::load_f(shift + k * kLanes + lane0);
-          for (int i = 0; i < N; ++i) acc[i] = V::fma(s, xs[i][b] * static_cast<float>(xisums[i][k]), acc[i]);
+          const typename V::F m = V::load_f(shift + k * kLanes + lane0);
+          for (int i = 0; i < N; ++i) acc[i] = V::fma(m, xs[i][b] * static_cast<float>(xisums[i][k]), acc[i]);
         }
       };
-      const auto start = [&](int64_t k) {
-        for (int i = 0; i < N; ++i) sums[i] = V::set1(-zero * xisums[i][k]);
+      const auto start = [&](int64_t k, typename V::I (&s)[N]) {
+        for (int i = 0; i < N; ++i) s[i] = V::set1(-zero * xisums[i][k]);
       };
       if constexpr (BITS != 8) {
-        start(b);
-        typename V::I fifths{};
-        if constexpr (BITS == 5) fifths = V::load(at + 4 * kLanes * 4);
+        // A scale per 16 (Q6_K): the low nibbles are weights 0-15 and the high ones the next sub-block, each summed
+        // on its own.
+        typename V::I upper[N];
+        typename V::I (&high_sums)[N] = SUB == 16 ? upper : sums;
+        start(b * (kBlock / SUB), sums);
+        if constexpr (SUB == 16) start(2 * b + 1, upper);
+        typename V::I planes[2]{};
+        if constexpr (BITS > 4) {
+          for (int half = 0; half < 2; ++half)
+            planes[half] = V::load(at + tokenmill::high_chunk<BITS>(half) * kLanes * 4);
+        }
         for (int c = 0; c < 4; ++c) {
           const typename V::I v = V::load(at + c * kLanes * 4);
           typename V::I lo = V::low(v), hi = V::high(v);
-          if constexpr (BITS == 5) lo = V::fifth(lo, fifths, 2 * c), hi = V::fifth(hi, fifths, 2 * c + 1);
+          if constexpr (BITS > 4) {
+            constexpr int mask = tokenmill::high_mask<BITS>();
+            lo = V::with_high(lo, planes[0], tokenmill::high_shift<BITS>(c, 0), mask);
+            hi = V::with_high(hi, planes[1], tokenmill::high_shift<BITS>(c, 1), mask);
+          }
           for (int i = 0; i < N; ++i) {
             sums[i] = V::dot4(sums[i], lo, xq[i] + b * kBlock + 4 * c);
-            sums[i] = V::dot4(sums[i], hi, xq[i] + b * kBlock + 16 + 4 * c);
+            high_sums[i] = V::dot4(high_sums[i], hi, xq[i] + b * kBlock + 16 + 4 * c);
           }
         }
-        finish(b);
+        finish(b * (kBlock / SUB), sums);
+        if constexpr (SUB == 16) finish(2 * b + 1, upper);
       } else {
         for (int64_t c = 0; c < 8; ++c) {
-          if (c % (SUB / 4) == 0) start(b * (kBlock / SUB) + c / (SUB / 4));
+          if (c % (SUB / 4) == 0) start(b * (kBlock / SUB) + c / (SUB / 4), sums);
           const typename V::Signed8 v = V::signed8(V::load(at + c * kLanes * 4));
           for (int i = 0; i < N; ++i) sums[i] = V::dot4(sums[i], v, xq[i] + b * kBlock + 4 * c);
-          if (c % (SUB / 4) == SUB / 4 - 1) finish(b * (kBlock / SUB) + c / (SUB / 4));
+          if (c % (SUB / 4) == SUB / 4 - 1) finish(b * (kBlock / SUB) + c / (SUB / 4), sums);
         }
       }
     }
@@ -340,7 +361,8 @@ void dequantize_rows(const QuantizedMatrix& w, T* out) {
         const uint8_t* at = w.q + (g * blocks + b) * block_bytes + lane * 4;
         for (int64_t j = 0; j < kBlock; ++j) {
           if (w.bits != 8) {
-            values[j] = static_cast<float>((w.bits == 5 ? nibbled<5>(at, j) : nibbled<4>(at, j)) - w.zero);
+            const int32_t v = w.bits == 6 ? nibbled<6>(at, j) : w.bits == 5 ? nibbled<5>(at, j) : nibbled<4>(at, j);
+            values[j] = static_cast<float>(v - w.zero);
           } else {
             values[j] = static_cast<float>(static_cast<int8_t>(at[(j / 4) * kLanes * 4 + (j & 3)]) - w.zero);
           }
@@ -382,9 +404,10 @@ QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at:
   TORCH_CHECK(qweight.dim() == 5 && qweight.is_contiguous() && qweight.size(3) == kLanes && qweight.size(4) == 4,
               "qweight must be a contiguous [groups, blocks, chunks, 16, 4] interleaving");
   const int bits = static_cast<int>(qweight.size(2));  // chunks of 4 bytes a row's block: its bits a weight
-  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && (bits == 4 || bits == 5 || bits == 8),
-              "qweight must be uint8 of 4 or 5 chunks a block (4- or 5-bit) or int8 of 8");
-  TORCH_CHECK(sub == 32 || (sub == 16 && bits == 8), "sub must be 32, or 16 for int8 weights");
+  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && bits >= 4 && bits <= 8 && bits != 7,
+              "qweight must be uint8 of 4, 5 or 6 chunks a block (its bits a weight) or int8 of 8");
+  TORCH_CHECK(bits == 6 ? sub == 16 : sub == 32 || (sub == 16 && bits == 8),
+              "sub must be 16 for 6-bit weights, 32 or 16 for 8-bit ones, else 32");
   const int64_t groups = qweight.size(0), in = qweight.size(1) * kBlock;
   TORCH_CHECK(out_features > (groups - 1) * kLanes && out_features <= groups * kLanes,
               "qweight's ", groups, " groups of 16 rows do not hold ", out_features, " rows");

@@ -73,14 +73,17 @@ inline __m512 load_scales(const at::Half* p) {
 
 // 4-bit chunk c's tile rows 4c..4c+3: lane byte j holds weight 4c + j in its low nibble, 16 + 4c + j in its high one;
 // row 4c + i pairs the nibbles of bytes i >> 1 and (i >> 1) + 2, low ones for i even, high ones for i odd.
-// 5-bit: the fifth bits of those weights (bit 2c + (i & 1) of the fifth chunk's bytes i >> 1 and (i >> 1) + 2) join
-// them as bit 4.
+// 5- and 6-bit: the bits above those nibbles (cpu.h's high_chunk and high_shift; in bytes i >> 1 and (i >> 1) + 2
+// of the plane) join them from bit 4.
 template <int BITS, int I>
-inline void nibble_row(const PairWriter& put, int c, __m512i v, __m512i fifths, __m512 scale, __m512 offset) {
+inline void nibble_row(const PairWriter& put, int c, __m512i v, const __m512i (&planes)[2], __m512 scale,
+                       __m512 offset) {
   __m512i both = _mm512_and_si512(_mm512_srli_epi32(v, 4 * (I & 1) + 8 * (I >> 1)), _mm512_set1_epi32(0x000F000F));
-  if constexpr (BITS == 5) {
-    const __m512i bit = _mm512_srl_epi32(fifths, _mm_cvtsi32_si128(8 * (I >> 1) + 2 * c + (I & 1)));
-    both = _mm512_or_si512(both, _mm512_slli_epi32(_mm512_and_si512(bit, _mm512_set1_epi32(0x00010001)), 4));
+  if constexpr (BITS > 4) {
+    const int from = 8 * (I >> 1) + tokenmill::high_shift<BITS>(c, I & 1);
+    const __m512i high = _mm512_srl_epi32(planes[I & 1], _mm_cvtsi32_si128(from));
+    const __m512i mask = _mm512_set1_epi32(tokenmill::high_mask<BITS>() * 0x00010001);
+    both = _mm512_or_si512(both, _mm512_slli_epi32(_mm512_and_si512(high, mask), 4));
   }
   put(4 * c + I, _mm512_and_si512(both, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(both, 16), scale, offset);
 }
@@ -104,14 +107,20 @@ void dequantize_block(const tokenmill::QuantizedMatrix& w, int64_t g, int64_t b,
     const __m512 shift = w.shift ? load_scales(static_cast<const S*>(w.shift) + k0 + h * kLanes) : _mm512_setzero_ps();
     offset[h] = _mm512_fnmadd_ps(scale[h], _mm512_set1_ps(static_cast<float>(w.zero)), shift);  // shift - scale*zero
   }
-  const __m512i fifths = BITS == 5 ? _mm512_loadu_si512(q + 4 * kLanes * 4) : _mm512_setzero_si512();
+  __m512i planes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  if constexpr (BITS > 4 && BITS < 8) {
+    for (int half = 0; half < 2; ++half)
+      planes[half] = _mm512_loadu_si512(q + tokenmill::high_chunk<BITS>(half) * kLanes * 4);
+  }
+  // Rows 4c + i of odd i hold high nibbles: with a scale per 16 (Q6_K), the block's second half.
+  const int odd = kPerBlock == 2 ? 1 : 0;
   for (int c = 0; c < 4; ++c) {
     if constexpr (BITS != 8) {
       const __m512i v = _mm512_loadu_si512(q + c * kLanes * 4);
-      nibble_row<BITS, 0>(put, c, v, fifths, scale[0], offset[0]);
-      nibble_row<BITS, 1>(put, c, v, fifths, scale[0], offset[0]);
-      nibble_row<BITS, 2>(put, c, v, fifths, scale[0], offset[0]);
-      nibble_row<BITS, 3>(put, c, v, fifths, scale[0], offset[0]);
+      nibble_row<BITS, 0>(put, c, v, planes, scale[0], offset[0]);
+      nibble_row<BITS, 1>(put, c, v, planes, scale[odd], offset[odd]);
+      nibble_row<BITS, 2>(put, c, v, planes, scale[0], offset[0]);
+      nibble_row<BITS, 3>(put, c, v, planes, scale[odd], offset[odd]);
     } else {
       for (int high = 0; high < 2; ++high) {
         const __m512i v = _mm512_loadu_si512(q + (c + 4 * high) * kLanes * 4);

@@ -4,7 +4,7 @@ Linear and Embedding that use it.
 A QuantizedWeight is w = scale * (q - zero) + min per block of `sub` weights along a row, which is exactly how GGUF's
 Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 dequantize (loader/gguf_blocks.py converts them, keeping every
 value: dequantize() equals gguf's own dequantization bit for bit in fp32). 4-bit types pack two weights a byte,
-5-bit ones the same and a bit plane of their fifth bits; the others take a byte a weight.
+5- and 6-bit ones the same and planes of their higher bits; Q8_0 takes a byte a weight.
 Rows are interleaved by 16 (INTERLEAVE), four weights of each row at a time, so that the kernel advances 16 output
 rows with one vector instruction.
 """
@@ -25,8 +25,9 @@ class QuantizedWeight:
     # [groups, in/32, chunks, 16, 4]: group g holds rows 16g..16g+15 (the last padded with zeros), a row's block of 32
     # weights as chunks of four bytes, chunk c of the 16 rows side by side. uint8, 4 chunks: byte j of a block holds
     # weight j in its low nibble and weight 16+j in its high one; uint8, 5 chunks: those of the low four bits, then
-    # the fifth bits (byte k: of weight 4c+k in bit 2c, of 16+4c+k in bit 2c+1; kernels/quant.cpp); int8, 8 chunks:
-    # one weight a byte. The chunks a block takes are its bits a weight.
+    # the fifth bits (byte k: of weight 4c+k in bit 2c, of 16+4c+k in bit 2c+1; kernels/quant.cpp); uint8, 6
+    # chunks: the nibbles, then the top two bits of weights 4c+k and of 16+4c+k (bits 2c, 2c+1 of byte k of chunk 4,
+    # and of chunk 5); int8, 8 chunks: one weight a byte. The chunks a block takes are its bits a weight.
     qweight: torch.Tensor
     scales: torch.Tensor  # [groups, in/sub, 16]: fp32, or fp16 where every scale and min is an fp16 value
     mins: torch.Tensor | None  # [groups, in/sub, 16] of the scales' dtype, or None for 0
@@ -39,7 +40,7 @@ class QuantizedWeight:
                    sub: int) -> QuantizedWeight:
         """From rows one after another: q uint8 [out, in/2] (block b of 32 weights in bytes 16b..16b+15, weight j in
         the low nibble of byte j and 16+j in its high one), uint8 [out, in*5/8] (each block's 16 such bytes, then the
-        4 bytes of its fifth bits) or int8 [out, in]; scales and mins [out, in/sub]."""
+        4 or 8 bytes of its higher bits: 5 or 6 bits) or int8 [out, in]; scales and mins [out, in/sub]."""
         out = q.shape[0]
         pad = -out % INTERLEAVE
 
@@ -92,10 +93,12 @@ class QuantizedWeight:
         blocks = q.view(n, width // 32, 4 * self.bits).to(torch.int16)
         nibbles = blocks[..., :16]
         q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=2)
-        if self.bits == 5:  # weight 4c+k's fifth bit in bit 2c of byte k of the fifth chunk, 16+4c+k's in 2c+1
-            at = torch.arange(4).view(4, 1)
-            fifths = blocks[..., None, 16:]  # [n, blocks, 1 (c), 4 (k)]
-            q = q | torch.cat([(fifths >> (2 * at + half) & 1).flatten(-2) << 4 for half in (0, 1)], dim=2)
+        if self.bits > 4:  # the bits above the nibbles: the layout's comment above, kernels/cpu.h's high_chunk
+            planes = blocks[..., 16:].reshape(n, width // 32, -1, 1, 4)  # [n, blocks, planes, 1 (c), 4 (k)]
+            c = torch.arange(4).view(4, 1)
+            high = [(planes[:, :, half if self.bits == 6 else 0] >> (2 * c + (half if self.bits == 5 else 0)))
+                    & (3 if self.bits == 6 else 1) for half in (0, 1)]
+            q = q | (torch.cat([h.flatten(-2) for h in high], dim=2) << 4)
         return q.view(n, width), scales, mins
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:

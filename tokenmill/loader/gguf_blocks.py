@@ -20,21 +20,26 @@ from tokenmill.layers.quantized import QuantizedWeight
 _Parts = tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]
 
 
-_FIVE_BITS = frozenset({QType.Q5_0, QType.Q5_1, QType.Q5_K})
+_BITS = {QType.Q5_0: 5, QType.Q5_1: 5, QType.Q5_K: 5, QType.Q6_K: 6}  # the other uint8 types: 4
 
 
-def _packed(q: np.ndarray, five: bool) -> np.ndarray:
-    """Weights of 4 or 5 bits [rows, blocks, 32] as QuantizedWeight.interleave takes them: per block, weight j and
+def _packed(q: np.ndarray, bits: int) -> np.ndarray:
+    """Weights of 4 to 6 bits [rows, blocks, 32] as QuantizedWeight.interleave takes them: per block, weight j and
     16 + j in the low and high nibble of byte j; 5 bits: then 4 bytes of the fifth bits, of weight 4c + k in bit 2c
-    of byte k and of weight 16 + 4c + k in bit 2c + 1."""
+    of byte k and of weight 16 + 4c + k in bit 2c + 1; 6 bits: then 4 bytes of the top two bits of weights 4c + k
+    (bits 2c, 2c + 1 of byte k) and 4 of weights 16 + 4c + k."""
     rows = q.shape[0]
     nibbles = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4)
-    if five:
-        bits = (q >> 4).reshape(rows, -1, 2, 4, 4)  # [rows, blocks, half, c, k]
-        shift = 2 * np.arange(4, dtype=np.uint8).reshape(4, 1) + np.arange(2, dtype=np.uint8).reshape(2, 1, 1)
-        fifths = (bits << shift).sum(axis=(2, 3), dtype=np.uint8)  # [rows, blocks, k]: distinct bits, so sum is or
-        nibbles = np.concatenate((nibbles, fifths), axis=2)
-    return nibbles.reshape(rows, -1)
+    if bits == 4:
+        return nibbles.reshape(rows, -1)
+    high = (q >> 4).reshape(rows, -1, 2, 4, 4)  # [rows, blocks, half, c, k]
+    c = 2 * np.arange(4, dtype=np.uint8).reshape(4, 1)
+    # The bits are distinct, so their sum is their or: one plane [rows, blocks, k], or one for each half.
+    if bits == 5:
+        planes = (high << (c + np.arange(2, dtype=np.uint8).reshape(2, 1, 1))).sum(axis=(2, 3), dtype=np.uint8)
+    else:
+        planes = (high << c).sum(axis=3, dtype=np.uint8).reshape(rows, -1, 8)
+    return np.concatenate((nibbles, planes), axis=2).reshape(rows, -1)
 
 
 def _f16(field: np.ndarray) -> np.ndarray:
@@ -104,9 +109,9 @@ def _q6_k(b: np.ndarray) -> _Parts:
     n = b.shape[0]
     low = (b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-    q = (low.reshape(n, -1) | (high.reshape(n, -1) << 4)).astype(np.int8) - np.int8(32)
+    q = low.reshape(n, -1) | (high.reshape(n, -1) << 4)
     scales = _f16(b[:, 208:210]) * np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
-    return q, scales, None, 0, 16
+    return q, scales, None, 32, 16
 
 
 # type -> (bytes per block, reader)
@@ -123,7 +128,7 @@ def quantized_weight(data: np.ndarray, qtype: QType) -> QuantizedWeight:
     rows = data.shape[0]
     q, scales, mins, zero, sub = read(data.reshape(-1, block_bytes))
     if q.dtype == np.uint8:
-        q = _packed(q.reshape(rows, -1, 32), qtype in _FIVE_BITS)
+        q = _packed(q.reshape(rows, -1, 32), _BITS.get(qtype, 4))
     # fp16 where that holds every value (the types whose scales are the file's fp16 fields: Q4_0, Q4_1, Q5_0, Q5_1,
     # Q8_0): the kernel reads 2 bytes less per 32 weights; the K-quants' products of two scales stay fp32.
     if all(a is None or np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (scales, mins)):
