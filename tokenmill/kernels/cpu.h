@@ -138,7 +138,7 @@ struct QuantizedMatrix {
   const void* scales;   // [groups, in / sub, 16], fp32, or fp16 where every scale is one (half_scales)
   const void* shift;    // [groups, in / sub, 16] of the scales' type, or nullptr
   bool half_scales;
-  int64_t zero;         // Q4_0: 8, Q5_0: 16; else 0
+  int64_t zero;         // Q4_0: 8, Q5_0: 16, Q6_K: 32; else 0
   int64_t sub, in, out;
 };
 
@@ -152,8 +152,8 @@ template <int BITS>
 constexpr int high_mask() { return BITS == 6 ? 3 : 1; }
 
 // Calls f(BITS, SUB, S{}) for w's layout, BITS and SUB as std::integral_constant: 4- or 5-bit weights with a scale
-// per 32, 6-bit ones with one per 16, or 8-bit ones with one per 32 or per 16; S the scales' type, at::Half or float. Each kernel is a
-// template on the three, so the kernels that take a matrix dispatch through this one place.
+// per 32, 6-bit ones with one per 16, or 8-bit ones with one per 32 or per 16; S the scales' type, at::Half or
+// float. Each kernel is a template on the three, so the kernels that take a matrix dispatch through this one place.
 template <typename F>
 void with_layout(const QuantizedMatrix& w, F&& f) {
   const auto scales = [&](auto bits, auto sub) {

@@ -31,7 +31,7 @@ class QuantizedWeight:
     qweight: torch.Tensor
     scales: torch.Tensor  # [groups, in/sub, 16]: fp32, or fp16 where every scale and min is an fp16 value
     mins: torch.Tensor | None  # [groups, in/sub, 16] of the scales' dtype, or None for 0
-    zero: int  # subtracted from 4-bit q (8 for Q4_0); 0 for int8 storage, whose q are signed already
+    zero: int  # subtracted from q (Q4_0: 8, Q5_0: 16, Q6_K: 32); 0 for int8 storage, whose q are signed already
     sub: int  # weights per scale: 32, or 16 (Q6_K)
     out_features: int
 

@@ -16,7 +16,7 @@ from gguf.quants import Q4_K
 
 from tokenmill.layers.quantized import QuantizedWeight
 
-# q [n, per block] (uint8 of 4 or 5 bits, or int8), scales, mins, zero, sub
+# q [n, per block] (uint8 of 4 to 6 bits, or int8), scales, mins, zero, sub
 _Parts = tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]
 
 
