@@ -25,8 +25,9 @@
 //   8-bit (int8, 8 chunks):  weights 4c..4c+3 (Q8_0).
 // Fewer bits, fewer bytes to read: 5.5 to 7 bits a weight with the scales (Q5_*) and 8 (Q6_K) where a byte a
 // weight read 8.5 to 10; at one row the kernel's time follows.
-// scales and shift: [groups, in / sub, 16], w = scale * (q - zero) + shift per `sub` = 32 (or 16, 8-bit only)
-// weights; the shift (a min) may be absent, the zero point (Q4_0's 8) is one integer for the matrix. fp32, or fp16
+// scales and shift: [groups, in / sub, 16], w = scale * (q - zero) + shift per `sub` = 32 (or 16: 6- and 8-bit)
+// weights; the shift (a min) may be absent, the zero point (Q4_0's 8, Q5_0's 16, Q6_K's 32) is one integer for the
+// matrix. fp32, or fp16
 // where the file's scales are fp16 values themselves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 2 bytes less per 32 weights
 // to read, a tenth of a Q4_0 matrix.
 
@@ -88,18 +89,23 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, int64_t su
   return out;
 }
 
-// Weight j (0..31) of a row's block of a 4-, 5- or 6-bit group (row: the block's first byte of that row's lane).
+// q of weight j (0..31) of a row's block (row: the block's first byte of that row's lane), one at a time: the
+// scalar paths.
 template <int BITS>
-inline int32_t nibbled(const uint8_t* row, int64_t j) {
-  const int c = static_cast<int>(j & 15) / 4, half = j >= 16;
-  const int64_t k = j & 3;
-  const uint8_t byte = row[c * kLanes * 4 + k];
-  int32_t v = half ? (byte >> 4) : (byte & 0x0F);
-  if constexpr (BITS > 4) {
-    const uint8_t high = row[tokenmill::high_chunk<BITS>(half) * kLanes * 4 + k];
-    v |= ((high >> tokenmill::high_shift<BITS>(c, half)) & tokenmill::high_mask<BITS>()) << 4;
+inline int32_t code(const uint8_t* row, int64_t j) {
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(row[(j / 4) * kLanes * 4 + (j & 3)]);
+  } else {
+    const int c = static_cast<int>(j & 15) / 4, half = j >= 16;
+    const int64_t k = j & 3;
+    const uint8_t byte = row[c * kLanes * 4 + k];
+    int32_t v = half ? (byte >> 4) : (byte & 0x0F);
+    if constexpr (BITS > 4) {
+      const uint8_t high = row[tokenmill::high_chunk<BITS>(half) * kLanes * 4 + k];
+      v |= ((high >> tokenmill::high_shift<BITS>(c, half)) & tokenmill::high_mask<BITS>()) << 4;
+    }
+    return v;
   }
-  return v;
 }
 
 inline int32_t load32(const int8_t* p) {
@@ -280,14 +286,7 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
         int32_t sum = -static_cast<int32_t>(w.zero) * xisums[i][k];
         for (int64_t j = k * SUB; j < (k + 1) * SUB; ++j) {
           const int64_t b = j / kBlock, in_block = j % kBlock;
-          int32_t v;
-          if constexpr (BITS != 8) {
-            const uint8_t* row = q + b * block_bytes + lane * 4;
-            v = nibbled<BITS>(row, in_block);
-          } else {
-            v = static_cast<int8_t>(q[b * block_bytes + (in_block / 4) * kLanes * 4 + lane * 4 + (in_block & 3)]);
-          }
-          sum += v * xq[i][j];
+          sum += code<BITS>(q + b * block_bytes + lane * 4, in_block) * xq[i][j];
         }
         acc += static_cast<float>(sum) * (static_cast<float>(scales[k * kLanes + lane]) * xs[i][k * SUB / kBlock]);
         if (shift) {
@@ -349,24 +348,17 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
 // The dense [out, in] matrix of dtype (fp32, bf16 or fp16): w = scale * (q - zero) + shift, each value computed
 // in fp32 and rounded once, as layers/quantized.py's QuantizedWeight.dequantize does in torch ops (which take ~8
 // passes over the matrix where this takes one).
-template <typename S, typename T>
+template <int BITS, typename S, typename T>
 void dequantize_rows(const QuantizedMatrix& w, T* out) {
   const int64_t blocks = w.in / kBlock, groups = w.in / w.sub;
-  const int64_t block_bytes = w.bits * kLanes * 4;
+  const int64_t block_bytes = BITS * kLanes * 4;
   at::parallel_for(0, w.out, 16, [&](int64_t begin, int64_t end) {
     float values[kBlock];
     for (int64_t o = begin; o < end; ++o) {
       const int64_t g = o / kLanes, lane = o % kLanes;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* at = w.q + (g * blocks + b) * block_bytes + lane * 4;
-        for (int64_t j = 0; j < kBlock; ++j) {
-          if (w.bits != 8) {
-            const int32_t v = w.bits == 6 ? nibbled<6>(at, j) : w.bits == 5 ? nibbled<5>(at, j) : nibbled<4>(at, j);
-            values[j] = static_cast<float>(v - w.zero);
-          } else {
-            values[j] = static_cast<float>(static_cast<int8_t>(at[(j / 4) * kLanes * 4 + (j & 3)]) - w.zero);
-          }
-        }
+        for (int64_t j = 0; j < kBlock; ++j) values[j] = static_cast<float>(code<BITS>(at, j) - w.zero);
         T* row = out + o * w.in + b * kBlock;
         for (int64_t k = 0; k < kBlock / w.sub; ++k) {  // the block's scales (one, or two of 16 weights)
           const int64_t at_scale = (g * groups + b * (kBlock / w.sub) + k) * kLanes + lane;
@@ -383,16 +375,17 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
                       int64_t sub, int64_t zero, int64_t out_features, at::ScalarType dtype) {
   const QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, out_features);
   at::Tensor out = at::empty({w.out, w.in}, qweight.options().dtype(dtype));
-  const auto run = [&](auto scale_type) {  // a value of the scales' element type
-    using S = decltype(scale_type);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "dequantize to fp32, bf16 or fp16, not ", dtype);
+  tokenmill::with_layout(w, [&](auto bits, auto, auto s) {
+    constexpr int kBits = decltype(bits)::value;
+    using S = decltype(s);
     switch (dtype) {
-      case at::kFloat: dequantize_rows<S>(w, out.data_ptr<float>()); break;
-      case at::kBFloat16: dequantize_rows<S>(w, out.data_ptr<at::BFloat16>()); break;
-      case at::kHalf: dequantize_rows<S>(w, out.data_ptr<at::Half>()); break;
-      default: TORCH_CHECK(false, "dequantize to fp32, bf16 or fp16, not ", dtype);
+      case at::kFloat: dequantize_rows<kBits, S>(w, out.data_ptr<float>()); break;
+      case at::kBFloat16: dequantize_rows<kBits, S>(w, out.data_ptr<at::BFloat16>()); break;
+      default: dequantize_rows<kBits, S>(w, out.data_ptr<at::Half>()); break;
     }
-  };
-  w.half_scales ? run(at::Half{}) : run(float{});
+  });
   return out;
 }
 

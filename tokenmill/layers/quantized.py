@@ -39,8 +39,8 @@ class QuantizedWeight:
     def interleave(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, zero: int,
                    sub: int) -> QuantizedWeight:
         """From rows one after another: q uint8 [out, in/2] (block b of 32 weights in bytes 16b..16b+15, weight j in
-        the low nibble of byte j and 16+j in its high one), uint8 [out, in*5/8] (each block's 16 such bytes, then the
-        4 or 8 bytes of its higher bits: 5 or 6 bits) or int8 [out, in]; scales and mins [out, in/sub]."""
+        the low nibble of byte j and 16+j in its high one), uint8 [out, in*bits/8] (5 or 6 bits: each block's 16
+        such bytes, then the 4 or 8 bytes of its higher bits) or int8 [out, in]; scales and mins [out, in/sub]."""
         out = q.shape[0]
         pad = -out % INTERLEAVE
 
