@@ -87,7 +87,12 @@ def test_bf16_logits_track_transformers_fp32_as_closely_as_transformers_bf16(fol
 
 
 def test_bf16_greedy_tokens_through_the_graphs_are_fp32_s_top_choice(folder: Path, bf16) -> None:
+    """Along tokenmill's bf16 greedy answers, how often its token is transformers fp32's top choice, against how
+    often transformers bf16's own top choice is, over the same contexts. A random model's flat distributions make
+    bf16 rounding flip close calls (transformers bf16 matched fp32's prefill top choice at 0.86 on an H200), so the
+    bound is transformers bf16's rate, not a fixed one."""
     ref32 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    ref16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     engine = start_engine(bf16)
     try:
         assert engine.runner.graphs is not None
@@ -95,12 +100,15 @@ def test_bf16_greedy_tokens_through_the_graphs_are_fp32_s_top_choice(folder: Pat
         outs = generate(engine, ids, [greedy(48)] * len(ids))
     finally:
         engine.stop()
-    agree = []
+    ours, theirs = [], []
     for p, out in zip(ids, outs, strict=True):
-        top = log_probs(ref32, p + out)[len(p) - 1:-1].argmax(-1).tolist()
-        agree.append(sum(a == b for a, b in zip(out, top, strict=True)) / len(out))
-    print(f"\nbf16 greedy tokens that are fp32's top choice: {sum(agree) / len(agree):.3f}")
-    assert sum(agree) / len(agree) >= 0.9
+        top = log_probs(ref32, p + out)[len(p) - 1:-1].argmax(-1)
+        ours.append((torch.tensor(out, device=top.device) == top).float().mean().item())
+        theirs.append((log_probs(ref16, p + out)[len(p) - 1:-1].argmax(-1) == top).float().mean().item())
+    mean_ours, mean_theirs = sum(ours) / len(ours), sum(theirs) / len(theirs)
+    print(f"\nfp32's top choice along tokenmill bf16's greedy answers: tokenmill bf16 {mean_ours:.3f}, "
+          f"transformers bf16 {mean_theirs:.3f}")
+    assert mean_ours >= mean_theirs - 0.05
 
 
 def run_alone_and_batched(loaded: LoadedModel, ids: list[list[int]], tokens: int, **config) -> tuple[list, list]:
@@ -120,7 +128,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_alone_and_in_a_batch_of_32(request: pytest.FixtureRequest, dtype: str) -> None:
     """Reported: how many of 32 greedy answers are the same alone (graph of 1) and together (graph of 32), and how
-    long the common start is where not. fp32: all of them; bf16 rounds otherwise in another batch shape."""
+    long the common start is where not. fp32: all of them. bf16 rounds otherwise in another batch shape, and a
+    random model's flat distributions turn that into other tokens soon (0 of 32 the same on an H200, a common start
+    of 20 of 64 tokens on average); rows mixed up in the batch would part at once."""
     loaded = request.getfixturevalue("fp32" if dtype == "float32" else "bf16")
     ids = prompts(32, 16, seed=2)
     alone, batched = run_alone_and_batched(loaded, ids, 64, prefix_caching=False)
@@ -128,7 +138,7 @@ def test_greedy_alone_and_in_a_batch_of_32(request: pytest.FixtureRequest, dtype
     prefix = sum(common_prefix(a, b) for a, b in zip(alone, batched, strict=True)) / len(ids)
     print(f"\n{dtype}: {same} of 32 greedy answers the same alone and in the batch; mean common start {prefix:.1f} "
           f"of 64 tokens")
-    assert same >= (31 if dtype == "float32" else 16)
+    assert same >= 31 if dtype == "float32" else prefix >= 4
 
 
 def test_graphs_give_the_tokens_of_op_by_op_steps(fp32: LoadedModel) -> None:
