@@ -6,7 +6,8 @@
 #    alone against a batch of 32, prefix cache, chunks, preemption, aborts) and the random-model fidelity tests, on
 #    CUDA; 2. two synthetic Llama GGUFs of random weights (F16) with SmolLM2's tokenizer: the default model's shape
 #    (135M) and TinyLlama's (1.1B); 3. for each, bf16 decode tok/s at 1, 32 and 256 streams and prefill tok/s, with
-#    and without CUDA graphs, and a profile of one-stream decode steps each way (tokenmill.bench.decode); 4. where
+#    and without CUDA graphs, each with and without the row_matmul kernel (--no-gpu-row-matmul), and a profile of
+#    one-stream decode steps each way (tokenmill.bench.decode); 4. where
 #    scripts/gpu_kit_llama.sh built .gpu/llama-batched-bench.xz, llama.cpp's CUDA build on the same two GGUFs: 128
 #    tokens after a 16-token prompt (about the bench's) at 1, 32 and 256 sequences, and 8 prompts of 1,000 tokens.
 # Writes tests.txt, bench-135m.txt, bench-1b.txt, llama.txt and gpu.txt into OUT_DIR (default $OUT, else
@@ -22,6 +23,16 @@ export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+  # the bandwidth ceiling the bench's GB/s are read against: a device-to-device copy of 2 GiB, bytes read + written
+  python3 -c "
+import torch
+a = torch.empty(2**30, dtype=torch.bfloat16, device='cuda'); b = torch.empty_like(a)
+for _ in range(3): b.copy_(a)
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(10): b.copy_(a)
+end.record(); torch.cuda.synchronize()
+print(f'copy bandwidth {2 * a.nbytes * 10 / start.elapsed_time(end) / 1e6:.0f} GB/s (read + written)')"
 } 2>&1 | tee "$out/gpu.txt"
 reference=.gpu/smollm2-tokenizer.gguf
 [ -f "$reference" ] || reference=""  # then synthetic_gguf.py pulls SmolLM2 itself (needs the network)
@@ -37,7 +48,7 @@ bench() {  # MODEL OUTPUT [FLAGS...]
   local model=$1 file=$2
   shift 2
   timeout 240 python3 -m tokenmill.bench.decode "$model" --device cuda --dtype bfloat16 --streams 1 32 256 \
-    --graphs both --prefill --runs 3 --tokens 128 "$@" 2>&1 | grep -v -E "^(INFO|WARNING):" | tee "$out/$file"
+    --graphs both --row-matmul both --prefill --runs 3 --tokens 128 "$@" 2>&1 | grep -v -E "^(INFO|WARNING):" | tee "$out/$file"
 }
 bench /tmp/models/smollm2-shape.gguf bench-135m.txt --profile
 bench /tmp/models/tinyllama-shape.gguf bench-1b.txt

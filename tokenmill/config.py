@@ -64,6 +64,9 @@ class EngineConfig:
     enforce_eager: bool = option(False, "on CUDA, run decode steps op by op instead of replaying CUDA graphs (one "
                                         "per batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs, captured at "
                                         "start-up)")
+    gpu_row_matmul: bool = option(True, "on CUDA, a one-sequence decode step's projections run as one Triton "
+                                        "kernel each, with the norm or SwiGLU before them fused in (off: cuBLAS, "
+                                        "and a kernel each for the norms and SwiGLU)")
     speculative: str | None = option(None, "speculative decoding: ngram (prompt lookup: the tokens that followed "
                                            "the latest earlier occurrence of the sequence's last n-gram are proposed "
                                            "and checked in the next step, lossless) or suffix (the same, then "

@@ -29,14 +29,16 @@ PARAMS = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
 
 
 def load(path: Path) -> LoadedModel:
-    """fp32 dense weights and no fused CPU decode layers: the layers a GPU runs, op for op."""
-    return load_model(str(path), dtype="float32", device="cpu", quantized=False, fused_decode=False)
+    """fp32 dense weights in plain Linears, no fused CPU decode layers: the layers a GPU runs, op for op."""
+    return load_model(str(path), dtype="float32", device="cpu", quantized=False, fused_decode=False, prepack=False)
 
 
-def run(loaded: LoadedModel, graphs: bool = False) -> list[list[int]]:
+def run(loaded: LoadedModel, graphs: bool = False, row_matmul: bool = True) -> list[list[int]]:
     """PROMPTS' tokens: 16-token steps, so prompts are chunked and share steps with decodes; the last two prompts
-    arrive after the first two finished, so they start from the cached prefix."""
-    engine = start_engine(loaded, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=0)
+    arrive after the first two finished, so they start from the cached prefix; each pair's longer answer ends in
+    steps of its one row."""
+    engine = start_engine(loaded, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=0,
+                          gpu_row_matmul=row_matmul)
     if graphs:  # the static-buffer step CUDA graphs replay, run eagerly
         engine.runner.graphs = DecodeGraphs(loaded.model, engine.kv_cache, 4, engine.max_model_len, capture=False)
     try:
@@ -87,12 +89,14 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 EVERY_KERNEL = {"decode_attention", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv"}
 
 
-def test_llama_steps_and_the_decode_graphs_static_step_through_the_gpu_kernels(llama, llama_tokens,
-                                                                              on_triton) -> None:
+@pytest.mark.parametrize("row_matmul", [True, False])
+def test_llama_steps_and_the_decode_graphs_static_step_through_the_gpu_kernels(llama, llama_tokens, on_triton,
+                                                                              row_matmul: bool) -> None:
     """Decode steps in the graphs' static buffers, whose tables are as wide as the context (512 keys): split keys
-    and their combine; prompt chunks, mixed steps and prefix hits op by op."""
-    assert run(llama, graphs=True) == llama_tokens
-    assert on_triton == EVERY_KERNEL | {"combine_splits"}
+    and their combine; prompt chunks, mixed steps and prefix hits op by op; one-row steps through row_matmul
+    (the norms and SwiGLU fused in), where it is on."""
+    assert run(llama, graphs=True, row_matmul=row_matmul) == llama_tokens
+    assert on_triton == EVERY_KERNEL | {"combine_splits"} | ({"row_matmul"} if row_matmul else set())
 
 
 def test_gemma3_sliding_windows_through_the_gpu_kernels(gemma, monkeypatch) -> None:
@@ -100,4 +104,4 @@ def test_gemma3_sliding_windows_through_the_gpu_kernels(gemma, monkeypatch) -> N
     expected = run(gemma)
     launched = on_triton.__wrapped__(monkeypatch)
     assert run(gemma) == expected
-    assert launched == EVERY_KERNEL - {"silu_mul"}  # GeGLU: torch's ops
+    assert launched == EVERY_KERNEL - {"silu_mul"} | {"row_matmul"}  # GeGLU: torch's ops, or row_matmul's prologue

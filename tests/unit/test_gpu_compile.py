@@ -64,7 +64,8 @@ def builds() -> dict[str, list[tuple[str, str, int, str]]]:
 def test_every_launch_compiles_for_an_h100(builds: dict[str, list[tuple[str, str, int, str]]], dtype: str) -> None:
     assert {build[0] for build in builds[dtype]} == {*SHAPES, GROWING}
     assert {build[1] for build in builds[dtype]} == {
-        "decode_attention", "combine_splits", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv"}
+        "decode_attention", "combine_splits", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv",
+        "row_matmul"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,6 +136,12 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
         gpu.rms_norm(empty(3, hidden), empty(hidden), 1e-6, empty(3, hidden))
         gpu.rms_norm(empty(3, hidden), empty(hidden), 1e-6)
         gpu.silu_mul(empty(3, 2 * width))
+        qkv = empty((heads + 2 * kv_heads) * dim, hidden)
+        gpu.row_matmul(empty(1, hidden), qkv, None, "add_norm", empty(hidden), 1e-6, empty(1, hidden))
+        gpu.row_matmul(empty(1, hidden), qkv, empty(qkv.shape[0]), "norm", empty(hidden), 1e-6)
+        gpu.row_matmul(empty(1, 2 * width), empty(hidden, width), None, "silu_mul")
+        gpu.row_matmul(empty(1, 2 * width), empty(hidden, width), None, "gelu_mul")
+        gpu.row_matmul(empty(1, heads * dim), empty(hidden, heads * dim))
         rope = torch.empty(3, 1, dim // 2)
         gpu.rope_store_kv(empty(3, (heads + 2 * kv_heads) * dim), rope, rope, cache, cache, ids(3), heads, kv_heads)
     compiling.model = GROWING  # steps op by op: tables as wide as the longest context, which grows

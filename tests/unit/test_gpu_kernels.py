@@ -127,6 +127,66 @@ def test_silu_mul(dtype: torch.dtype, device: str) -> None:
     torch.testing.assert_close(out.cpu().float(), F.silu(gate) * up, atol=tolerance(dtype), rtol=tolerance(dtype))
 
 
+def prologue_reference(x: torch.Tensor, prologue: str, norm: torch.Tensor, residual: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What row_matmul multiplies (rounded to x's dtype, as the op it replaces stores it), and the stream."""
+    dtype = x.dtype
+    if prologue in ("silu_mul", "gelu_mul"):
+        gate, up = x.float().chunk(2, dim=-1)
+        act = F.silu(gate) if prologue == "silu_mul" else F.gelu(gate, approximate="tanh")
+        return (act * up).to(dtype), None
+    stream = (x.float() + residual.float()).to(dtype) if prologue == "add_norm" else None
+    if prologue == "none":
+        return x, None
+    source = x if stream is None else stream
+    return F.rms_norm(source.float(), (x.shape[1],), norm.float(), eps).to(dtype), stream
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [200, 1500])  # within one 1024-wide tile, and past it
+@pytest.mark.parametrize("prologue", ["none", "norm", "add_norm", "silu_mul", "gelu_mul"])
+def test_row_matmul_with_each_prologue(dtype: torch.dtype, cols: int, prologue: str, device: str) -> None:
+    """Outputs past one 16-wide tile, not a multiple of it; a bias where the q|k|v projection has one (Qwen's)."""
+    torch.manual_seed(3)
+    n_out, eps = 72, 1e-6
+    x = torch.randn(1, 2 * cols if prologue.endswith("_mul") else cols).to(dtype)
+    weight = (torch.randn(n_out, cols) / cols**0.5).to(dtype)
+    bias = torch.randn(n_out).to(dtype) if prologue in ("none", "add_norm") else None
+    norm, residual = torch.randn(cols).to(dtype), torch.randn(1, cols).to(dtype)
+    a, stream = prologue_reference(x, prologue, norm, residual, eps)
+    expected = a.float() @ weight.float().T + (0 if bias is None else bias.float())
+    fused: dict = {"norm": norm.to(device), "eps": eps} if "norm" in prologue else {}
+    if prologue == "add_norm":
+        fused["residual"] = residual.to(device)
+    x_in = x.to(device)
+    out, got_stream = gpu.row_matmul(x_in, weight.to(device), None if bias is None else bias.to(device), prologue,
+                                     **fused)
+    torch.testing.assert_close(out.cpu().float(), expected, atol=tolerance(dtype), rtol=tolerance(dtype))
+    assert out.dtype == dtype and out.shape == (1, n_out)
+    torch.testing.assert_close(x_in.cpu(), x, atol=0, rtol=0)  # x is read, never written
+    if stream is None:
+        assert got_stream is None
+    else:
+        assert got_stream is not None
+        torch.testing.assert_close(got_stream.cpu().float(), stream.float(), atol=tolerance(dtype),
+                                   rtol=tolerance(dtype))
+
+
+def test_row_matmul_takes_one_row_of_a_dense_weight(monkeypatch) -> None:
+    """One row on a GPU (as here through the interpreter); two rows, the kernels off, or the switch off: not."""
+    weight = torch.empty(8, 4)
+    monkeypatch.setattr(gpu, "runs", lambda x: True)
+    assert gpu.row_matmul_runs(torch.empty(1, 4), weight)
+    assert not gpu.row_matmul_runs(torch.empty(2, 4), weight)
+    gpu.use_row_matmul(False)
+    try:
+        assert not gpu.row_matmul_runs(torch.empty(1, 4), weight)
+    finally:
+        gpu.use_row_matmul(True)
+    monkeypatch.setattr(gpu, "runs", lambda x: False)
+    assert not gpu.row_matmul_runs(torch.empty(1, 4), weight)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_kv_rotates_queries_and_keys_and_writes_the_pool_at_the_slots(dtype: torch.dtype,
                                                                                  device: str) -> None:

@@ -2,14 +2,15 @@
 
     python -m tokenmill.bench.decode [MODEL] --dtype float32 bfloat16 --tokens 128 --runs 5 [--no-quantized-weights]
     python -m tokenmill.bench.decode MODEL --device cuda --dtype bfloat16 --streams 1 32 256 --graphs both \\
-        --prefill --profile
+        --row-matmul both --prefill --profile
 
 Each run sends --streams requests at once, each generating --tokens tokens greedily with ignore_eos. Decode speed
 is the tokens that arrive while every stream decodes, over that window (from the last stream's first token to the
 first stream's last), so prefill is not in it; with one stream, (tokens - 1) / (first token to last). --prefill
-also times 8 prompts of 1,000 tokens (one output token each). --profile records 16 one-stream decode steps with
-torch.profiler and prints the kernels a step, their time and the step's wall time. Prints the median and range
-over the runs, and the weights' bytes read per second (each step reads every weight once) where there are runs.
+also times 8 prompts of 1,000 tokens (one output token each). --profile times the parts of 64 one-stream decode
+steps (schedule, the runner, sampling, update, emit; the GPU's time by CUDA events), then records 16 more with
+torch.profiler and prints the kernels a step and their time. Prints the median and range over the runs, and the
+weights' bytes read per second (each step reads every weight once) where there are runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import multiprocessing
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -61,71 +63,128 @@ async def _prefill(engine: Engine, vocab: int, seed: int) -> float:
     return 8 * 1000 / (time.perf_counter() - started)
 
 
-async def _profiled(engine: Engine, prompt_ids: list[int], steps: int):
-    """One stream's decode steps under torch.profiler, from its second token on; returns the profile and the
-    tokens that arrived inside it."""
-    from torch.profiler import ProfilerActivity, profile
+class _StepProbe:
+    """Wraps the engine's step and its parts, on the engine thread: the wall time of each part a step (schedule,
+    the runner's launch, sampling, which waits for the GPU, update, emit), the GPU's time between the runner's
+    start and end (CUDA events), then torch.profiler over later steps, started and stopped on the engine thread
+    (its CPU ops are recorded per thread, and the kernels a step are counted from it)."""
 
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    outputs = aiter(EngineClient(engine).submit([prompt_ids], params)[0])
-    await anext(outputs)
-    await anext(outputs)
-    count = 0
-    gpu = engine.runner.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
-        while count < steps:
-            count += len((await anext(outputs)).token_ids)
-    async for _ in outputs:
-        pass
-    return prof, count
+    PARTS = (("schedule", "scheduler", "schedule"), ("run", "runner", "run"), ("sample", None, "sampler"),
+             ("update", "scheduler", "update"), ("emit", None, "_emit"))
 
+    def __init__(self, engine: Engine, timed_steps: int, profiled_steps: int) -> None:
+        self.engine, self.timed_steps, self.profiled_steps = engine, timed_steps, profiled_steps
+        self.gpu = engine.runner.device.type == "cuda"
+        self.steps = 0
+        self.parts: dict[str, list[float]] = {name: [] for name, _, _ in self.PARTS}
+        self.walls: list[float] = []
+        self.cycles: list[float] = []  # step start to the next step's start: the loop's own work included
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.prof: Any = None  # torch.profiler.profile, imported when it starts
+        self.last_start = 0.0
+        self.originals: list[tuple[object, str, object]] = []
+        for name, owner, attr in self.PARTS:
+            self._wrap(name, engine if owner is None else getattr(engine, owner), attr)
+        self._wrap("step", engine, "_step")
 
-def _profile(engine: Engine, prompt_ids: list[int], steps: int = 16) -> str:
-    """Kernels a decode step, their summed time, the runner's wall time a step (waiting for the GPU included), and
-    the kernels that take the most time."""
-    original = engine.runner.run
-    walls: list[float] = []
+    def _wrap(self, name: str, owner: object, attr: str) -> None:
+        original = getattr(owner, attr)
+        self.originals.append((owner, attr, original))
 
-    def timed(plan):
+        def timed(*args, **kwargs):
+            if name == "step":
+                return self._step(original)
+            started = time.perf_counter()
+            if name == "run" and self.gpu and self._timing():
+                begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                out = original(*args, **kwargs)
+                finish.record()
+                self.events.append((begin, finish))
+            else:
+                out = original(*args, **kwargs)
+            if self._timing():
+                self.parts[name].append(time.perf_counter() - started)
+            return out
+
+        setattr(owner, attr, timed)
+
+    def _timing(self) -> bool:
+        return 0 < self.steps <= self.timed_steps  # the first step is the prompt's
+
+    def _step(self, original) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.steps += 1
+        if self.steps == self.timed_steps + 2:
+            self.prof = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.gpu else [])])
+            self.prof.start()
         started = time.perf_counter()
-        out = original(plan)
-        if out.is_cuda:
-            torch.cuda.synchronize()
-        walls.append(time.perf_counter() - started)
-        return out
+        if self._timing() and self.walls:
+            self.cycles.append(started - self.last_start)
+        self.last_start = started
+        original()
+        if self._timing():
+            self.walls.append(time.perf_counter() - started)
+        if self.prof is not None and self.steps == self.timed_steps + 1 + self.profiled_steps:
+            self.prof.stop()
 
-    engine.runner.run = timed  # type: ignore[method-assign]
+    def restore(self) -> None:
+        for owner, attr, original in self.originals:
+            setattr(owner, attr, original)
+
+    def report(self) -> str:
+        def ms(xs: list[float]) -> float:
+            return statistics.median(xs) * 1000 if xs else float("nan")
+
+        lines = [f"  {len(self.walls)} one-stream decode steps, ms a step (medians): "
+                 + ", ".join(f"{name} {ms(times):.3f}" for name, times in self.parts.items())
+                 + f"; the step {ms(self.walls):.3f}, step to step {ms(self.cycles):.3f}"]
+        if self.events:
+            torch.cuda.synchronize()
+            lines.append(f"  GPU time from the runner's start to its end: "
+                         f"{statistics.median(b.elapsed_time(e) for b, e in self.events):.3f} ms (median)")
+        if self.prof is None or not self.gpu:
+            return "\n".join(lines)
+        kernels = [e for e in self.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            by_name.setdefault(e.name, []).append(e.device_time)
+        count = self.profiled_steps
+        lines += [f"  profiled {count} steps: kernels a step {len(kernels) / count:.0f}, their time a step "
+                  f"{sum(e.device_time for e in kernels) / count / 1000:.3f} ms", "  top kernels (ms a step, count):"]
+        for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:14]:
+            lines.append(f"    {sum(times) / count / 1000:8.3f} {len(times) / count:5.0f}  {name[:90]}")
+        return "\n".join(lines)
+
+
+def _profile(engine: Engine, prompt_ids: list[int], timed_steps: int = 64, profiled_steps: int = 16) -> str:
+    """One stream's decode steps: their parts' wall time and GPU time, then the kernels a step (_StepProbe)."""
+    probe = _StepProbe(engine, timed_steps, profiled_steps)
     try:
-        prof, count = asyncio.run(_profiled(engine, prompt_ids, steps))
+        asyncio.run(_streams(engine, [prompt_ids], timed_steps + profiled_steps + 8))
     finally:
-        engine.runner.run = original  # type: ignore[method-assign]
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.device_time)
-    lines = [f"  kernels a step {len(kernels) / count:.0f}, their time a step "
-             f"{sum(e.device_time for e in kernels) / count / 1000:.3f} ms, the runner's wall time a step "
-             f"{statistics.median(walls) * 1000:.3f} ms (median of {len(walls)})", "  top kernels (ms a step, count):"]
-    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]:
-        lines.append(f"    {sum(times) / count / 1000:8.3f} {len(times) / count:5.0f}  {name[:90]}")
-    return "\n".join(lines)
+        probe.restore()
+    return probe.report()
 
 
 def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads: int | None, quantized: bool,
-            streams: list[int], eager: bool, prefill: bool, profile: bool) -> dict:
+            streams: list[int], eager: bool, prefill: bool, profile: bool, row_matmul: bool = True) -> dict:
     if threads:
         torch.set_num_threads(threads)
     engine = Engine(EngineConfig(model=model, dtype=dtype, device=device, quantized_weights=quantized,
-                                 max_num_seqs=max(streams), enforce_eager=eager))
+                                 max_num_seqs=max(streams), enforce_eager=eager, gpu_row_matmul=row_matmul))
     engine.start()  # loads the model on the engine thread
     try:
         prompt_ids = engine.tokenizer.encode(PROMPT)
         asyncio.run(_streams(engine, [prompt_ids] * max(streams), 8))  # warm-up
-        result: dict = {"weights": sum(weight_bytes(engine.runner.model)), "graphs": engine.runner.graphs is not None}
+        result: dict = {"weights": sum(weight_bytes(engine.runner.model)), "graphs": engine.runner.graphs is not None,
+                        "row_matmul": row_matmul and engine.runner.device.type == "cuda"}
         for n in streams:
             result[n] = [asyncio.run(_streams(engine, [prompt_ids] * n, tokens)) for _ in range(runs)]
         if prefill:
             vocab = engine.tokenizer.vocab_size
+            asyncio.run(_prefill(engine, vocab, runs))  # warm-up: the prefill kernels compile for their shapes
             result["prefill"] = [asyncio.run(_prefill(engine, vocab, seed)) for seed in range(runs)]
         if profile:
             result["profile"] = _profile(engine, prompt_ids)
@@ -147,34 +206,39 @@ def main() -> None:
                         help="CUDA graphs of decode steps (off: --enforce-eager; both: each, in its own process)")
     parser.add_argument("--prefill", action="store_true", help="also time 8 prompts of 1,000 tokens")
     parser.add_argument("--profile", action="store_true", help="profile one-stream decode steps (kernels: CUDA)")
+    parser.add_argument("--row-matmul", choices=["on", "off", "both"], default="on",
+                        help="CUDA: one-row projections through tokenmill's row_matmul kernel, the norms and SwiGLU "
+                             "fused in (off: cuBLAS; both: each, in its own process)")
     parser.add_argument("--no-quantized-weights", dest="quantized", action="store_false",
                         help="dequantize GGUF weights at load (the A/B of the quantized kernels)")
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads, quantized weights {'on' if args.quantized else 'off'}")
-    print(f"{'dtype':<10} {'graphs':<7} {'streams':>7} {'median tok/s':>12} {'min':>9} {'max':>9} {'weights GB/s':>12}")
+    print(f"{'dtype':<10} {'graphs':<7} {'row mm':<8} {'streams':>7} {'median tok/s':>12} {'min':>9} {'max':>9} "
+          f"{'weights GB/s':>12}")
     spawn = multiprocessing.get_context("spawn")
-    modes = {"on": [False], "off": [True], "both": [True, False]}[args.graphs]
+    both = {"on": [True], "off": [False], "both": [False, True]}
     for dtype in args.dtype:
-        for eager in modes:
-            # A fresh process each, so none inherits another's memory, thread pools or graphs.
-            with spawn.Pool(1) as pool:
-                result = pool.apply(measure, (args.model, dtype, args.device, args.tokens, args.runs, args.threads,
-                                              args.quantized, args.streams, eager, args.prefill, args.profile))
-            mode = "on" if result["graphs"] else "off"
-            for n in args.streams:
-                speeds = result[n]
-                read = statistics.median(speeds) / n * result["weights"] / 1e9  # steps a second x bytes a step
-                print(f"{dtype:<10} {mode:<7} {n:>7} {statistics.median(speeds):>12.1f} {min(speeds):>9.1f} "
-                      f"{max(speeds):>9.1f} {read:>12.1f}")
-            if "prefill" in result:
-                speeds = result["prefill"]
-                print(f"{dtype:<10} {mode:<7} {'prefill':>7} {statistics.median(speeds):>12.1f} {min(speeds):>9.1f} "
-                      f"{max(speeds):>9.1f}")
-            if "profile" in result:
-                print(f"profile, {dtype}, graphs {mode}:\n{result['profile']}")
-
+        for graphs in both[args.graphs]:
+            for row in both[args.row_matmul]:
+                # A fresh process each, so none inherits another's memory, thread pools or graphs.
+                with spawn.Pool(1) as pool:
+                    result = pool.apply(measure, (args.model, dtype, args.device, args.tokens, args.runs,
+                                                  args.threads, args.quantized, args.streams, not graphs, args.prefill,
+                                                  args.profile, row))
+                mode = f"{'on' if result['graphs'] else 'off':<7} {'on' if result['row_matmul'] else 'off':<8}"
+                for n in args.streams:
+                    speeds = result[n]
+                    read = statistics.median(speeds) / n * result["weights"] / 1e9  # steps a second x bytes a step
+                    print(f"{dtype:<10} {mode} {n:>7} {statistics.median(speeds):>12.1f} {min(speeds):>9.1f} "
+                          f"{max(speeds):>9.1f} {read:>12.1f}")
+                if "prefill" in result:
+                    speeds = result["prefill"]
+                    print(f"{dtype:<10} {mode} {'prefill':>7} {statistics.median(speeds):>12.1f} "
+                          f"{min(speeds):>9.1f} {max(speeds):>9.1f}")
+                if "profile" in result:
+                    print(f"profile, {dtype}, graphs and row matmul {' '.join(mode.split())}:\n{result['profile']}")
 
 if __name__ == "__main__":
     main()

@@ -68,6 +68,7 @@ class Engine:
         c = self.config
         if c.pooling not in ("last", "mean"):
             raise ConfigError(f"--pooling {c.pooling}: use last or mean")
+        gpu.use_row_matmul(c.gpu_row_matmul)
         if self.loaded is None:
             if c.threads:
                 torch.set_num_threads(c.threads)

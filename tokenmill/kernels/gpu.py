@@ -86,6 +86,8 @@ def _each_kernel(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]
         rms_norm(rand(3, 64), rand(64), 1e-5, rand(3, 64)),
         silu_mul(rand(3, 128)),
         rope_store_kv(rand(2, 8 * 64), cos, sin, k_cache, v_cache, ints(5, 600), 4, 2),
+        row_matmul(rand(1, 64), rand(40, 64), rand(40), "add_norm", rand(64), 1e-5, rand(1, 64))[0],
+        row_matmul(rand(1, 128), rand(40, 64), None, "silu_mul")[0],
     ]
 
 
@@ -213,3 +215,47 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(1),
         HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_PAD=_pow2(dim // 2))
     return q
+
+
+# A one-sequence decode step's projections (one row) run as row_matmul, with the op before each fused in: on an
+# H200, cuBLAS took ~3.8 us a projection of SmolLM2's shape at one row, and the norms and SwiGLU a launch each beside
+# it. A tiled version for up to 16 rows (tl.dot, 128 columns a pass) took 12 us a call: each pass of its loop waited
+# for its loads. More rows keep cuBLAS.
+_row_matmul = [True]  # the A/B switch: EngineConfig.gpu_row_matmul (Engine._setup)
+
+
+def use_row_matmul(on: bool) -> None:
+    _row_matmul[0] = on
+
+
+def row_matmul_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x times a dense weight takes row_matmul: one row, on a GPU where the kernels run."""
+    return _row_matmul[0] and x.shape[0] == 1 and weight.dim() == 2 and runs(x)
+
+
+# Outputs a program computes, and the most columns a pass of its loop reads. Measured on an H200 at one stream of
+# SmolLM2's shape (bf16, graphs): 16 outputs a program 879 tok/s, 8: 896, 4: 1,065 (cuBLAS: 835). Fewer outputs, more
+# programs, more loads in flight at once; a SmolLM2 projection's 576-1,536 columns in one pass.
+ROW_OUTPUTS = 4
+ROW_COLUMNS = 1024
+
+_PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "silu_mul": 3, "gelu_mul": 4}
+
+
+def row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: str = "none",
+               norm: torch.Tensor | None = None, eps: float = 0.0,
+               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(prologue(x) @ weight.T + bias, the stream x + residual where prologue is add_norm, else None), for x of one
+    row [1, cols] (the activations' prologues: [1, 2 * cols], gate | up). triton_kernels.row_matmul says what each
+    prologue computes."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n_out = weight.shape[0]
+    cols = x.shape[1] // 2 if prologue in ("silu_mul", "gelu_mul") else x.shape[1]
+    out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    stream = torch.empty_like(x) if prologue == "add_norm" else None
+    _kernels().row_matmul[(-(-n_out // ROW_OUTPUTS),)](
+        x, x if residual is None else residual, weight if norm is None else norm, weight,
+        weight if bias is None else bias, out, x if stream is None else stream, cols, n_out, eps, weight.stride(0),
+        PROLOGUE=_PROLOGUES[prologue], HAS_BIAS=bias is not None, BLOCK_N=ROW_OUTPUTS,
+        BLOCK_K=min(_pow2(cols), ROW_COLUMNS), num_warps=4)
+    return out, stream

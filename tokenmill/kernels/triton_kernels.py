@@ -182,3 +182,52 @@ def rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, sl
         tl.store(v_dst + half + i, tl.load(v_src + half + i, mask=mask), mask=mask)
     tl.store(dst + i, r1.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half + i, r2.to(q_ptr.dtype.element_ty), mask=mask)
+
+@triton.jit
+def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, cols, n_out, eps, stride_w,
+               PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out = a @ w.T (+ bias) for one row (a one-sequence decode step), BLOCK_N of w's rows a program, where a is
+    x after a prologue that would otherwise be a kernel of its own:
+    PROLOGUE 0: x; 1: RMSNorm(x) * norm; 2: RMSNorm(x + residual) * norm, the sum (rounded to x's dtype, as the
+    residual stream holds it) written into sum_ptr by the first program; 3: silu(gate) * up and 4: gelu_tanh(gate)
+    * up of x = [gate | up] (cols each). Each prologue's result is rounded to x's dtype, as the op it replaces would
+    store it, then multiplied in fp32 sums. BLOCK_K is best all of cols: each pass of the loop waits for its
+    loads."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < n_out
+    dtype = x_ptr.dtype.element_ty
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, cols, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + k, mask=k < cols, other=0.0).to(tl.float32)
+            if PROLOGUE == 2:
+                a = (a + tl.load(residual_ptr + k, mask=k < cols, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            squares += a * a
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, 0) / cols + eps)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, cols, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < cols
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        a = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        if PROLOGUE == 2:
+            a = (a + tl.load(residual_ptr + k, mask=k_mask, other=0.0).to(tl.float32)).to(dtype)
+            if pid == 0:
+                tl.store(sum_ptr + k, a, mask=k_mask)
+            a = a.to(tl.float32)
+        if PROLOGUE == 1 or PROLOGUE == 2:
+            a = a * rstd * tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        if PROLOGUE == 3 or PROLOGUE == 4:
+            up = tl.load(x_ptr + cols + k, mask=k_mask, other=0.0).to(tl.float32)
+            if PROLOGUE == 3:
+                a = a / (1.0 + tl.exp(-a)) * up
+            else:  # tanh(y) = 1 - 2 / (exp(2y) + 1)
+                y = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+                a = 0.5 * a * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * up
+        acc += tl.sum(a.to(dtype).to(tl.float32)[None, :] * w.to(tl.float32), 1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)

@@ -4,12 +4,19 @@ in quantized Linears).
 oneDNN reorders a weight into its own blocked layout on every plain matmul call; PackedLinear has it done once, at
 load. Measured on a 2-core Zen 4 (torch 2.13): bf16 matmuls 1.1-3.7x faster at 1-2048 rows (the output head at 32
 rows: 8.5 -> 5.2 ms) with bitwise the same results, fp32 1.2-6.7x faster.
+
+On a GPU, project() and RMSNorm.norm_linear send a one-row matmul of a plain Linear to tokenmill's row_matmul kernel
+(kernels/gpu.py), the norm or SwiGLU before it fused in.
 """
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 from torch import nn
+
+from tokenmill.kernels import gpu
 
 # The row count oneDNN picks the layout for; measured: the layout chosen for 32 serves 1 to 2048 rows well.
 PACK_FOR_ROWS = 32
@@ -107,3 +114,16 @@ def prepack_linears(module: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
+
+
+def row_matmul_takes(linear: nn.Module, x: torch.Tensor) -> TypeGuard[nn.Linear]:
+    """Whether linear's matmul of x runs as tokenmill's row_matmul kernel (a one-sequence decode step's row on a
+    GPU, a plain Linear's dense weight: kernels/gpu.py), with the op before it fused in where the caller has one."""
+    return isinstance(linear, nn.Linear) and gpu.row_matmul_runs(x, linear.weight)
+
+
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x), through the row_matmul kernel where it takes it."""
+    if row_matmul_takes(linear, x):
+        return gpu.row_matmul(x, linear.weight, linear.bias)[0]
+    return linear(x)

@@ -6,6 +6,7 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.kernels import gpu
+from tokenmill.layers.linear import row_matmul_takes
 
 
 class RMSNorm(nn.Module):
@@ -32,3 +33,14 @@ class RMSNorm(nn.Module):
             return x, torch.ops.tokenmill.add_rms_norm(x, residual, self.weight, self.eps)
         x = x + residual
         return x, self(x)
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream: x + residual, or x where residual is None; linear of its norm). A one-sequence decode
+        step's row on a GPU runs both as one kernel (gpu.row_matmul), which gives the sum as a new tensor."""
+        if row_matmul_takes(linear, x):
+            out, stream = gpu.row_matmul(x, linear.weight, linear.bias, "norm" if residual is None else "add_norm",
+                                         self.weight, self.eps, residual)
+            return (x if stream is None else stream), out
+        x, h = (x, self(x)) if residual is None else self.add_and_norm(x, residual)
+        return x, linear(h)

@@ -38,13 +38,10 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """As DecoderLayer.forward: pending is the previous layer's normed MLP output, not yet added."""
-        if pending is None:
-            h = self.input_layernorm(x)
-        else:
-            x, h = self.input_layernorm.add_and_norm(x, pending)
-        attended = self.post_attention_layernorm(self.self_attn(h, rope, meta))
-        x, h = self.pre_feedforward_layernorm.add_and_norm(x, attended)
-        return x, self.post_feedforward_layernorm(self.mlp(h))
+        x, qkv = self.input_layernorm.norm_linear(x, pending, self.self_attn.qkv_proj)
+        attended = self.post_attention_layernorm(self.self_attn.attend(qkv, rope, meta))
+        x, gate_up = self.pre_feedforward_layernorm.norm_linear(x, attended, self.mlp.gate_up_proj)
+        return x, self.post_feedforward_layernorm(self.mlp.down(gate_up))
 
     def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """This layer as the fused decode kernel takes it, with its four norms."""

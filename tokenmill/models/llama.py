@@ -20,7 +20,14 @@ from tokenmill import kernels
 from tokenmill.errors import ModelFormatError
 from tokenmill.kernels import gpu
 from tokenmill.layers.attention import AttentionMetadata, PagedMetadata, attention, fused_rotary_attention
-from tokenmill.layers.linear import PackedLinear, linear_of, make_row_invariant, prepack_linears
+from tokenmill.layers.linear import (
+    PackedLinear,
+    linear_of,
+    make_row_invariant,
+    prepack_linears,
+    project,
+    row_matmul_takes,
+)
 from tokenmill.layers.moe import QuantizedStacked, SparseMoE, StackedWeight
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -50,8 +57,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), rope, meta)
+
+    def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """The layer's output from its q|k|v projection's rows (the norm before it fused in: RMSNorm.norm_linear)."""
+        tokens = qkv.shape[0]
         per_head = self.qk_norm and self.qk_norm_per_head
         if per_head:  # normed in place: the q|k|v rows then take the fused RoPE, as the fused layer does
             q, k = self._heads(qkv)
@@ -61,7 +72,7 @@ class Attention(nn.Module):
             out = fused_rotary_attention(self.layer, qkv, rope, meta, self.num_heads, self.num_kv_heads, self.scale,
                                          self.window)
             if out is not None:
-                return self.o_proj(out.view(tokens, self.q_size))
+                return project(self.o_proj, out.view(tokens, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm and not per_head:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
@@ -72,7 +83,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = attention(self.layer, q, k, v, meta, self.scale, self.window)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return project(self.o_proj, out.reshape(tokens, self.q_size))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of q|k|v rows' query heads [tokens, heads, dim] and key heads [tokens, kv heads, dim]."""
@@ -91,7 +102,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(act(gate) * up) of the gate|up projection's rows (the norm before it fused in:
+        RMSNorm.norm_linear); a one-sequence decode step's row on a GPU in one kernel (gpu.row_matmul)."""
+        if row_matmul_takes(self.down_proj, gate_up):
+            return gpu.row_matmul(gate_up, self.down_proj.weight, self.down_proj.bias,
+                                    "gelu_mul" if self.gelu else "silu_mul")[0]
         if not self.gelu and gpu.runs(gate_up):
             return self.down_proj(gpu.silu_mul(gate_up))
         if gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp), the fused layer's too
@@ -118,15 +136,16 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; pending: the previous layer's MLP output, not yet added (None in the first
         layer), so that each add fuses with the norm after it. Returns the stream and this layer's MLP output."""
-        if pending is None:
-            h = self.input_layernorm(x)
-        else:
-            x, h = self.input_layernorm.add_and_norm(x, pending)
-        attended = self.self_attn(h, rope, meta)
+        x, qkv = self.input_layernorm.norm_linear(x, pending, self.self_attn.qkv_proj)
+        attended = self.self_attn.attend(qkv, rope, meta)
         if self.residual_multiplier != 1.0:
             attended = attended * self.residual_multiplier
-        x, h = self.post_attention_layernorm.add_and_norm(x, attended)
-        out = self.mlp(h)
+        if isinstance(self.mlp, MLP):
+            x, gate_up = self.post_attention_layernorm.norm_linear(x, attended, self.mlp.gate_up_proj)
+            out = self.mlp.down(gate_up)
+        else:
+            x, h = self.post_attention_layernorm.add_and_norm(x, attended)
+            out = self.mlp(h)
         return x, out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
     def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
