@@ -114,10 +114,40 @@ def _q6_k(b: np.ndarray) -> _Parts:
     return q, scales, None, 32, 16
 
 
+def _two_bit_planes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K and Q3_K's [n, 64] bytes -> [n, 256] 2-bit values: per 32 bytes, bits 0-1 of each (32 weights), then bits
+    2-3, 4-5 and 6-7."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, -1)
+
+
+def _q2_k(b: np.ndarray) -> _Parts:
+    """Kept as int8 codes (0-3) with a scale d * sc and a min -(dmin * m) per 16: the 8-bit layout (~12 bits a weight
+    with its scales, against 16 dense)."""
+    sc = b[:, :16]
+    scales = _f16(b[:, 80:82]) * (sc & 0x0F).astype(np.float32)
+    mins = -(_f16(b[:, 82:84]) * (sc >> 4).astype(np.float32))
+    return _two_bit_planes(b[:, 16:80]).astype(np.int8), scales, mins, 0, 16
+
+
+def _q3_k(b: np.ndarray) -> _Parts:
+    """Kept as int8 codes (-4 to 3) with a scale d * (sc - 32) per 16: the 8-bit layout (10 bits a weight with its
+    scales, against 16 dense). A weight's third bit set means no offset: code = low 2 bits - 4 * (1 - bit)."""
+    n = b.shape[0]
+    # weight i's third bit: bit i // 32 of byte i % 32
+    high = (b[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    codes = _two_bit_planes(b[:, 32:96]).astype(np.int8) - 4 * (1 - high.reshape(n, -1).astype(np.int8))
+    low = (b[:, 96:104].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16) & 0x0F
+    top = (b[:, 104:108].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16) & 3
+    scales = _f16(b[:, 108:110]) * ((low | (top << 4)).astype(np.float32) - 32)
+    return codes, scales, None, 0, 16
+
+
 # type -> (bytes per block, reader)
 _READERS: dict[QType, tuple[int, Callable[[np.ndarray], _Parts]]] = {
     QType.Q4_0: (18, _q4_0), QType.Q4_1: (20, _q4_1), QType.Q8_0: (34, _q8_0), QType.Q5_0: (22, _q5_0),
     QType.Q5_1: (24, _q5_1), QType.Q4_K: (144, _q4_k), QType.Q5_K: (176, _q5_k), QType.Q6_K: (210, _q6_k),
+    QType.Q2_K: (84, _q2_k), QType.Q3_K: (110, _q3_k),
 }
 QUANTIZED_TYPES = frozenset(_READERS)
 
