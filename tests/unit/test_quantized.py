@@ -51,8 +51,8 @@ def test_the_layout_holds_exactly_what_gguf_decodes(qtype: QType) -> None:
     half = qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)
     assert weight.scales.dtype == (torch.float16 if half else torch.float32)
     # Kept in the fewest bits that hold them: at one row the kernel's time is the bytes it reads.
-    bits = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q4_K: 4, QType.Q6_K: 6, QType.Q8_0: 8, QType.Q2_K: 8,
-            QType.Q3_K: 8}.get(qtype, 5)  # Q2_K and Q3_K's 2 and 3 bits as int8: the layouts have no 2 or 3
+    bits = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q4_K: 4, QType.Q6_K: 6, QType.Q8_0: 8, QType.Q2_K: 4,
+            QType.Q3_K: 4}.get(qtype, 5)  # Q2_K and Q3_K's 2 and 3 bits in 4: the layouts have no 2 or 3
     assert weight.bits == bits and weight.qweight.numel() == 16 * 512 * bits // 8
     assert torch.equal(weight.dequantize(), expected)
     order = torch.tensor([4, 0, 5])

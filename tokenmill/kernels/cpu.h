@@ -160,8 +160,10 @@ void with_layout(const QuantizedMatrix& w, F&& f) {
     w.half_scales ? f(bits, sub, at::Half{}) : f(bits, sub, float{});
   };
   using Sub32 = std::integral_constant<int, 32>;
-  if (w.bits == 4) {
+  if (w.bits == 4 && w.sub == 32) {
     scales(std::integral_constant<int, 4>{}, Sub32{});
+  } else if (w.bits == 4) {  // Q2_K, Q3_K: a scale per 16
+    scales(std::integral_constant<int, 4>{}, std::integral_constant<int, 16>{});
   } else if (w.bits == 5) {
     scales(std::integral_constant<int, 5>{}, Sub32{});
   } else if (w.bits == 6) {

@@ -399,8 +399,8 @@ QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at:
   const int bits = static_cast<int>(qweight.size(2));  // chunks of 4 bytes a row's block: its bits a weight
   TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && bits >= 4 && bits <= 8 && bits != 7,
               "qweight must be uint8 of 4, 5 or 6 chunks a block (its bits a weight) or int8 of 8");
-  TORCH_CHECK(bits == 6 ? sub == 16 : sub == 32 || (sub == 16 && bits == 8),
-              "sub must be 16 for 6-bit weights, 32 or 16 for 8-bit ones, else 32");
+  TORCH_CHECK(bits == 6 ? sub == 16 : sub == 32 || (sub == 16 && (bits == 8 || bits == 4)),
+              "sub must be 16 for 6-bit weights, 32 or 16 for 4- and 8-bit ones, else 32");
   const int64_t groups = qweight.size(0), in = qweight.size(1) * kBlock;
   TORCH_CHECK(out_features > (groups - 1) * kLanes && out_features <= groups * kLanes,
               "qweight's ", groups, " groups of 16 rows do not hold ", out_features, " rows");

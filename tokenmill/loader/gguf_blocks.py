@@ -122,25 +122,25 @@ def _two_bit_planes(qs: np.ndarray) -> np.ndarray:
 
 
 def _q2_k(b: np.ndarray) -> _Parts:
-    """Kept as int8 codes (0-3) with a scale d * sc and a min -(dmin * m) per 16: the 8-bit layout (~12 bits a weight
-    with its scales, against 16 dense)."""
+    """Codes 0-3 in the 4-bit layout, with a scale d * sc and a min -(dmin * m) per 16 (8 bits a weight with them,
+    against 16 dense)."""
     sc = b[:, :16]
     scales = _f16(b[:, 80:82]) * (sc & 0x0F).astype(np.float32)
     mins = -(_f16(b[:, 82:84]) * (sc >> 4).astype(np.float32))
-    return _two_bit_planes(b[:, 16:80]).astype(np.int8), scales, mins, 0, 16
+    return _two_bit_planes(b[:, 16:80]), scales, mins, 0, 16
 
 
 def _q3_k(b: np.ndarray) -> _Parts:
-    """Kept as int8 codes (-4 to 3) with a scale d * (sc - 32) per 16: the 8-bit layout (10 bits a weight with its
-    scales, against 16 dense). A weight's third bit set means no offset: code = low 2 bits - 4 * (1 - bit)."""
+    """Codes -4 to 3 in the 4-bit layout (stored + 4: the zero point is 4), with a scale d * (sc - 32) per 16 (6 bits
+    a weight with it, against 16 dense). A weight's third bit set means no offset: low 2 bits - 4 * (1 - bit)."""
     n = b.shape[0]
     # weight i's third bit: bit i // 32 of byte i % 32
     high = (b[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    codes = _two_bit_planes(b[:, 32:96]).astype(np.int8) - 4 * (1 - high.reshape(n, -1).astype(np.int8))
+    codes = _two_bit_planes(b[:, 32:96]) | (high.reshape(n, -1) << 2)  # + 4 where the bit is set: (q + 4)
     low = (b[:, 96:104].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16) & 0x0F
     top = (b[:, 104:108].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16) & 3
     scales = _f16(b[:, 108:110]) * ((low | (top << 4)).astype(np.float32) - 32)
-    return codes, scales, None, 0, 16
+    return codes, scales, None, 4, 16
 
 
 # type -> (bytes per block, reader)
