@@ -1,6 +1,6 @@
 """tokenmill's GPU kernels (kernels/triton_kernels.py) and their launches: paged decode and prefill attention that
-read the block tables themselves, RMSNorm with the residual add, SwiGLU, and RoPE with the KV write, each one launch
-where torch takes several.
+read the block tables themselves, RMSNorm with the residual add, SwiGLU, RoPE with the KV write, and a one-row
+matmul with the norm or SwiGLU before it fused in (row_matmul), each one launch where torch takes several.
 
 Triton comes with PyTorch's CUDA builds; without it (a CPU build) `available()` is False and the callers keep torch's
 own ops. Tests run these kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before Triton is

@@ -55,13 +55,10 @@ class Attention(nn.Module):
         self.scale = config.attention_scale()
         self.window = config.layer_window(layer)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), rope, meta)
-
     def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata) -> torch.Tensor:
-        """The layer's output from its q|k|v projection's rows (the norm before it fused in: RMSNorm.norm_linear)."""
+        """The layer's output from its q|k|v projection's rows: the layer's caller runs qkv_proj, the norm before it
+        fused in where it can (RMSNorm.norm_linear)."""
         tokens = qkv.shape[0]
         per_head = self.qk_norm and self.qk_norm_per_head
         if per_head:  # normed in place: the q|k|v rows then take the fused RoPE, as the fused layer does
@@ -101,12 +98,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(act(gate) * up) of the gate|up projection's rows (the norm before it fused in:
-        RMSNorm.norm_linear); a one-sequence decode step's row on a GPU in one kernel (gpu.row_matmul)."""
+        """down_proj(act(gate) * up) of the gate|up projection's rows: the layer's caller runs gate_up_proj, the
+        norm before it fused in where it can (RMSNorm.norm_linear); a one-sequence decode step's row on a GPU takes
+        one kernel (gpu.row_matmul)."""
         if row_matmul_takes(self.down_proj, gate_up):
             return gpu.row_matmul(gate_up, self.down_proj.weight, self.down_proj.bias,
                                     "gelu_mul" if self.gelu else "silu_mul")[0]
