@@ -73,7 +73,7 @@ class _StepProbe:
              ("update", "scheduler", "update"), ("emit", None, "_emit"))
 
     def __init__(self, engine: Engine, timed_steps: int, profiled_steps: int) -> None:
-        self.engine, self.timed_steps, self.profiled_steps = engine, timed_steps, profiled_steps
+        self.timed_steps, self.profiled_steps = timed_steps, profiled_steps
         self.gpu = engine.runner.device.type == "cuda"
         self.steps = 0
         self.parts: dict[str, list[float]] = {name: [] for name, _, _ in self.PARTS}

@@ -119,7 +119,7 @@ def prepack_linears(module: nn.Module) -> None:
 def row_matmul_takes(linear: nn.Module, x: torch.Tensor) -> TypeGuard[nn.Linear]:
     """Whether linear's matmul of x runs as tokenmill's row_matmul kernel (a one-sequence decode step's row on a
     GPU, a plain Linear's dense weight: kernels/gpu.py), with the op before it fused in where the caller has one."""
-    return isinstance(linear, nn.Linear) and gpu.row_matmul_runs(x, linear.weight)
+    return isinstance(linear, nn.Linear) and gpu.row_matmul_runs(x)
 
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
