@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The CUDA path's checks and measurements in one run on a GPU machine (issue 20; about 5 minutes on an H100):
+# The CUDA path's checks and measurements in one run on a GPU machine (issue 20; about 6-7 minutes on an H100):
 #   bash scripts/gpu_check.sh [OUT_DIR]        from the checkout's root, after scripts/gpu_kit.sh (on a machine with
 #                                              PyPI) made .whl/ and .gpu/, carried along with the checkout
 # 1. the GPU kernels' tests, tests/gpu (bf16 fidelity against transformers, graphs against op-by-op steps, greedy
 #    alone against a batch of 32, prefix cache, chunks, preemption, aborts) and the random-model fidelity tests, on
-#    CUDA; 2. two synthetic Llama GGUFs of random weights (F16) with SmolLM2's tokenizer: the default model's shape
-#    (135M) and TinyLlama's (1.1B); 3. for each, bf16 decode tok/s at 1, 32 and 256 streams and prefill tok/s, with
-#    and without CUDA graphs, each with and without the row_matmul kernel (--no-gpu-row-matmul), and a profile of
-#    one-stream decode steps each way (tokenmill.bench.decode); 4. where
-#    scripts/gpu_kit_llama.sh built .gpu/llama-batched-bench.xz, llama.cpp's CUDA build on the same two GGUFs: 128
-#    tokens after a 16-token prompt (about the bench's) at 1, 32 and 256 sequences, and 8 prompts of 1,000 tokens.
-# Writes tests.txt, bench-135m.txt, bench-1b.txt, llama.txt and gpu.txt into OUT_DIR (default $OUT, else
-# /tmp/gpu-check).
+#    CUDA; 2. synthetic Llama GGUFs of random weights with SmolLM2's tokenizer, in F16 and in Q4_1 (SmolLM2's own
+#    file's types: Q4_1, the embeddings Q8_0): the default model's shape (135M) and TinyLlama's (1.1B); 3. bf16
+#    decode tok/s at 1, 32 and 256 streams and prefill tok/s (tokenmill.bench.decode): the F16 135M with and without
+#    CUDA graphs, each with and without the row_matmul kernel (--no-gpu-row-matmul), and a profile of one-stream
+#    decode steps each way; the F16 1.1B with graphs, row_matmul on and off; the Q4_1 files with graphs, kept
+#    quantized and dequantized at load (--no-quantized-weights), with a profile of the 135M's steps each way;
+#    4. where scripts/gpu_kit_llama.sh built .gpu/llama-batched-bench.xz, llama.cpp's CUDA build on the Q4_1 GGUFs:
+#    128 tokens after a 16-token prompt (about the bench's) at 1, 32 and 256 sequences, and 8 prompts of 1,000
+#    tokens.
+# Writes tests.txt, bench-135m.txt, bench-1b.txt, bench-135m-q4_1.txt, bench-1b-q4_1.txt, llama.txt and gpu.txt
+# into OUT_DIR (default $OUT, else /tmp/gpu-check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/gpu-check}}
@@ -40,7 +43,11 @@ started=$SECONDS
 python3 scripts/synthetic_gguf.py /tmp/models/smollm2-shape.gguf --hidden 576 --layers 30 --ffn 1536 --heads 9 \
   --kv-heads 3 ${reference:+--reference "$reference"} &
 python3 scripts/synthetic_gguf.py /tmp/models/tinyllama-shape.gguf ${reference:+--reference "$reference"} &
-TOKENMILL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/unit/test_gpu_kernels.py \
+python3 scripts/synthetic_gguf.py /tmp/models/smollm2-shape-q4_1.gguf --hidden 576 --layers 30 --ffn 1536 --heads 9 \
+  --kv-heads 3 --type Q4_1 ${reference:+--reference "$reference"} &
+python3 scripts/synthetic_gguf.py /tmp/models/tinyllama-shape-q4_1.gguf --type Q4_1 \
+  ${reference:+--reference "$reference"} &
+TOKENMILL_TEST_DEVICE=cuda timeout 360 python3 -m pytest -q -s -p no:cacheprovider tests/unit/test_gpu_kernels.py \
   tests/gpu tests/model/test_fidelity.py::test_random_hf_model_matches_transformers 2>&1 | tee "$out/tests.txt"
 wait
 echo "tests and models: $((SECONDS - started)) s" | tee -a "$out/gpu.txt"
@@ -48,10 +55,12 @@ bench() {  # MODEL OUTPUT [FLAGS...]
   local model=$1 file=$2
   shift 2
   timeout 240 python3 -m tokenmill.bench.decode "$model" --device cuda --dtype bfloat16 --streams 1 32 256 \
-    --graphs both --row-matmul both --prefill --runs 3 --tokens 128 "$@" 2>&1 | grep -v -E "^(INFO|WARNING):" | tee "$out/$file"
+    --prefill --runs 3 --tokens 128 "$@" 2>&1 | grep -v -E "^(INFO|WARNING):" | tee "$out/$file"
 }
-bench /tmp/models/smollm2-shape.gguf bench-135m.txt --profile
-bench /tmp/models/tinyllama-shape.gguf bench-1b.txt
+bench /tmp/models/smollm2-shape.gguf bench-135m.txt --graphs both --row-matmul both --profile
+bench /tmp/models/tinyllama-shape.gguf bench-1b.txt --row-matmul both
+bench /tmp/models/smollm2-shape-q4_1.gguf bench-135m-q4_1.txt --quantized both --profile
+bench /tmp/models/tinyllama-shape-q4_1.gguf bench-1b-q4_1.txt --quantized both
 if [ -f .gpu/llama-batched-bench.xz ]; then
   llama=/tmp/llama-batched-bench
   xz -dc .gpu/llama-batched-bench.xz > $llama && chmod +x $llama
@@ -60,7 +69,7 @@ if [ -f .gpu/llama-batched-bench.xz ]; then
     for p in glob.glob(d + '/**/lib*.so.*', recursive=True)})))")
   export LD_LIBRARY_PATH="$libs:/usr/local/cuda/lib64:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   ldd $llama | grep "not found"
-  for model in smollm2-shape tinyllama-shape; do  # -ngl 99: every layer on the GPU; -fa on: flash attention
+  for model in smollm2-shape-q4_1 tinyllama-shape-q4_1; do  # the F16 files': README, measured twice  # -ngl 99: every layer on the GPU; -fa on: flash attention
     echo "$model"
     timeout 120 $llama -m /tmp/models/$model.gguf -ngl 99 -fa on -c 40960 -b 2048 -ub 512 -npp 16 -ntg 128 \
       -npl 1,32,256 2>>"$out/llama-log.txt"

@@ -2,6 +2,8 @@
 
     python scripts/synthetic_gguf.py OUT.gguf [--hidden 2048 --layers 22 --ffn 5632 --heads 32 --kv-heads 4]
     llama-quantize OUT.gguf OUT-Q4_0.gguf Q4_0        # or Q4_K_M: llama.cpp's own quantizer (see bench/README.md)
+    python scripts/synthetic_gguf.py OUT.gguf --type Q4_1   # without llama.cpp: gguf-py quantizes (Q4_0, Q4_1,
+                                                            # Q5_0, Q5_1, Q8_0; the embeddings, the tied head, Q8_0)
 
 The defaults give TinyLlama-1.1B's shape (1.1B weights with SmolLM2's 49,152-token vocabulary). Weights are
 F16, drawn from a normal distribution scaled 1/sqrt(fan-in) so activations stay finite through the layers; the
@@ -15,7 +17,8 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import quantize
 
 from tokenmill.loader.sources import pull
 
@@ -47,6 +50,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--reference", type=Path, default=None, help="GGUF whose tokenizer is copied")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--type", default="F16", choices=["F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"],
+                        help="the matrices' type (as SmolLM2's Q4_1 file: the embeddings Q8_0 when quantized)")
     args = parser.parse_args()
     reference = args.reference or pull("smollm2-135m", quiet=True)
     rng = np.random.default_rng(args.seed)
@@ -60,18 +65,23 @@ def main() -> None:
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_float32("llama.rope.freq_base", 10000.0)
 
-    def matrix(rows: int, cols: int) -> np.ndarray:  # GGUF shapes are [out, in] as numpy sees them
-        return (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float16)
+    def add(name: str, rows: int, cols: int, qtype: str = args.type) -> None:  # GGUF's [out, in], as numpy's
+        values = rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)
+        if qtype == "F16":
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            writer.add_tensor(name, quantize(values, GGMLQuantizationType[qtype]),
+                              raw_dtype=GGMLQuantizationType[qtype])
 
     kv = args.kv_heads * head_dim
-    writer.add_tensor("token_embd.weight", matrix(vocab, args.hidden))
+    add("token_embd.weight", vocab, args.hidden, "F16" if args.type == "F16" else "Q8_0")
     writer.add_tensor("output_norm.weight", np.ones(args.hidden, np.float32))
     for i in range(args.layers):
         for name, shape in {"attn_q": (args.hidden, args.hidden), "attn_k": (kv, args.hidden),
                             "attn_v": (kv, args.hidden), "attn_output": (args.hidden, args.hidden),
                             "ffn_gate": (args.ffn, args.hidden), "ffn_up": (args.ffn, args.hidden),
                             "ffn_down": (args.hidden, args.ffn)}.items():
-            writer.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape))
+            add(f"blk.{i}.{name}.weight", *shape)
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(args.hidden, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(args.hidden, np.float32))
     writer.write_header_to_file()

@@ -97,6 +97,23 @@ def _put(writer: GGUFWriter, key: str, value: Any) -> None:
         writer.add_string(key, value)
 
 
+# Where each type's fp16 scale fields sit in its block: random bytes there could be NaN or huge.
+_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of qtype (every bit pattern of the quants, sane scales): raw bytes [rows, bytes per row]."""
+    rng = np.random.default_rng(seed)
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // per_block * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(-1, block_bytes)
+    for offset in _FP16_FIELDS[qtype.name]:
+        scales = rng.normal(0, 0.05, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8)
+    return raw
+
+
 def write_gguf(path: Path, architecture: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray],
                chat_template: str | None = CHATML, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
                dequantized: bool = False, seed: int = 0, endianess: GGUFEndian = GGUFEndian.LITTLE) -> Path:

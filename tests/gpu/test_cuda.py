@@ -1,5 +1,6 @@
 """The CUDA path on a GPU: bf16 fidelity against transformers, CUDA graphs against op-by-op steps, greedy alone
-against a batch of 32, and the engine's prefix cache, chunked prefill, preemption and aborts with graphs on.
+against a batch of 32, the engine's prefix cache, chunked prefill, preemption and aborts with graphs on, and GGUF
+weights kept quantized against their dense twins.
 Skipped without a GPU (CI has none): scripts/gpu_check.sh runs it, with the GPU kernels' tests, where there is one.
 Run with -s for the measured numbers."""
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from helpers import (
     add_and_abort,
     assert_no_live_blocks,
@@ -17,10 +19,12 @@ from helpers import (
     our_logits,
     save_random_hf_model,
     start_engine,
+    write_tiny_gguf,
 )
 
 from tokenmill.engine.engine import Engine
-from tokenmill.loader import LoadedModel, load_model
+from tokenmill.layers.quantized import GpuQuantizedLinear
+from tokenmill.loader import LoadedModel, load_model, weight_bytes
 from tokenmill.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -175,3 +179,29 @@ def test_prefix_cache_chunks_preemption_and_aborts_with_graphs(fp32: LoadedModel
         assert_no_live_blocks(engine)
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+def test_gguf_weights_kept_quantized_give_their_dense_twins_logits_and_tokens(tmp_path: Path, qtype: str) -> None:
+    """fp32 on CUDA, a GGUF kept quantized (row_matmul on the quantized weights up to 8 rows, the matrices
+    dequantized for cuBLAS beyond, the embeddings looked up by the dequantize kernel) against the same values loaded
+    dense: prefill logits, and greedy answers of 1, 3 and 12 streams through the graphs."""
+    kind = GGMLQuantizationType[qtype]
+    kept = load_model(str(write_tiny_gguf(tmp_path / "q.gguf", qtype=kind, hidden=256)), dtype="float32",
+                      device="cuda")
+    twin = load_model(str(write_tiny_gguf(tmp_path / "twin.gguf", qtype=kind, hidden=256, dequantized=True)),
+                      dtype="float32", device="cuda")
+    assert isinstance(kept.model.model.layers[0].mlp.down_proj, GpuQuantizedLinear)
+    quantized_mib, dense_mib = weight_bytes(kept.model)[0] / 2**20, sum(weight_bytes(twin.model)) / 2**20
+    print(f"\n{qtype}: {quantized_mib:.1f} MiB quantized, its dense twin {dense_mib:.1f} MiB")
+    ids = prompts(1, 100)[0]
+    torch.testing.assert_close(our_logits(kept, ids), our_logits(twin, ids), atol=1e-3, rtol=1e-3)
+    answers = []
+    for loaded in (kept, twin):
+        engine = start_engine(loaded, max_num_seqs=12)
+        try:
+            assert engine.runner.graphs is not None
+            answers.append([generate(engine, prompts(n, 16, seed=n), [greedy(24)] * n) for n in (1, 3, 12)])
+        finally:
+            engine.stop()
+    assert answers[0] == answers[1]

@@ -10,11 +10,14 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import assert_no_live_blocks, counted, generate, save_two_layer_gemma3, start_engine
+from gguf import GGMLQuantizationType
+from helpers import assert_no_live_blocks, counted, generate, save_two_layer_gemma3, start_engine, write_tiny_gguf
 
 from tokenmill.engine.graphs import DecodeGraphs
 from tokenmill.kernels import gpu
+from tokenmill.layers.quantized import GpuQuantizedLinear
 from tokenmill.loader import LoadedModel, load_model
+from tokenmill.models import llama as llama_module
 from tokenmill.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not gpu.available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -105,3 +108,37 @@ def test_gemma3_sliding_windows_through_the_gpu_kernels(gemma, monkeypatch) -> N
     launched = on_triton.__wrapped__(monkeypatch)
     assert run(gemma) == expected
     assert launched == EVERY_KERNEL - {"silu_mul"} | {"row_matmul"}  # GeGLU: torch's ops, or row_matmul's prologue
+
+
+# Steps of 16 rows (the first prompt's first chunk), 7 (its last 4 beside the second prompt), 2 and 1 (decodes)
+QUICK_PROMPTS = [list(range(3, 23)), [9, 8, 7]]
+QUICK_PARAMS = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=3, temperature=0.8, seed=5, ignore_eos=True)]
+
+
+def quick_run(loaded: LoadedModel) -> list[list[int]]:
+    engine = start_engine(loaded, max_num_seqs=2, max_num_batched_tokens=16, long_prefill_token_threshold=0)
+    try:
+        return generate(engine, QUICK_PROMPTS, QUICK_PARAMS)
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def q4_1_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """A Q4_1 GGUF, and the tokens of its values loaded dense (torch's ops)."""
+    folder = tmp_path_factory.mktemp("q4_1")
+    twin = load(write_tiny_gguf(folder / "twin.gguf", qtype=GGMLQuantizationType.Q4_1, dequantized=True))
+    return write_tiny_gguf(folder / "q.gguf", qtype=GGMLQuantizationType.Q4_1), quick_run(twin)
+
+
+def test_gguf_weights_kept_quantized_on_the_gpu_give_their_dense_twins_tokens(q4_1_files, on_triton,
+                                                                               monkeypatch) -> None:
+    """The GGUF in the GPU's quantized layout (gpu.QuantizedRows): steps of up to 8 rows through row_matmul on the
+    quantized weights, the 16-row one and the embedding lookups through the dequantize kernel."""
+    path, expected = q4_1_files
+    monkeypatch.setattr(llama_module, "on_device", lambda weight, device: weight.gpu_rows(device))  # as on CUDA
+    kept = load_model(str(path), dtype="float32", device="cpu", fused_decode=False, prepack=False)
+    assert isinstance(kept.model.model.layers[0].mlp.down_proj, GpuQuantizedLinear)
+    assert quick_run(kept) == expected
+    assert {"row_matmul", "dequantize"} <= on_triton

@@ -65,7 +65,7 @@ def test_every_launch_compiles_for_an_h100(builds: dict[str, list[tuple[str, str
     assert {build[0] for build in builds[dtype]} == {*SHAPES, GROWING}
     assert {build[1] for build in builds[dtype]} == {
         "decode_attention", "combine_splits", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv",
-        "row_matmul"}
+        "row_matmul", "dequantize"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -127,6 +127,12 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
     def ids(*shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=torch.long)
 
+    def quantized(rows: int, cols: int, bits: int, mins: bool) -> gpu.QuantizedRows:
+        sub = 16 if bits == 6 else 32
+        scales = torch.empty(rows, cols // sub, dtype=torch.float32 if mins else torch.float16)
+        q = torch.empty(rows, cols * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8)
+        return gpu.QuantizedRows(q, scales, scales if mins else None, 32 if bits == 6 else 0, sub, bits)
+
     for compiling.model, (heads, kv_heads, dim, hidden, width) in SHAPES.items():
         cache = empty(64, 16, kv_heads, dim)
         gpu.paged_decode_attention(empty(1, heads, dim), cache, cache, ids(1, 64), ids(1) + 1, 0.1)  # split keys
@@ -142,6 +148,14 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
         gpu.row_matmul(empty(1, 2 * width), empty(hidden, width), None, "silu_mul")
         gpu.row_matmul(empty(1, 2 * width), empty(hidden, width), None, "gelu_mul")
         gpu.row_matmul(empty(1, heads * dim), empty(hidden, heads * dim))
+        # GGUF's layouts kept quantized, at 1 to 8 rows: Q4_K (mins) and Q6_K in a layer, Q5_0 and Q8_0 beside them
+        gpu.row_matmul(empty(1, hidden), quantized(qkv.shape[0], hidden, 4, True), None, "add_norm", empty(hidden),
+                       1e-6, empty(1, hidden))
+        gpu.row_matmul(empty(8, 2 * width), quantized(hidden, width, 6, False), None, "silu_mul")
+        gpu.row_matmul(empty(3, heads * dim), quantized(hidden, heads * dim, 5, False))
+        gpu.row_matmul(empty(2, hidden), quantized(2 * width, hidden, 8, False), None, "norm", empty(hidden), 1e-6)
+        quantized(qkv.shape[0], hidden, 4, True).dequantize(dtype)
+        quantized(qkv.shape[0], hidden, 8, False).dequantize(dtype, ids(5))
         rope = torch.empty(3, 1, dim // 2)
         gpu.rope_store_kv(empty(3, (heads + 2 * kv_heads) * dim), rope, rope, cache, cache, ids(3), heads, kv_heads)
     compiling.model = GROWING  # steps op by op: tables as wide as the longest context, which grows

@@ -12,10 +12,16 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from gguf import GGMLQuantizationType as QType  # noqa: E402
+from helpers import random_blocks  # noqa: E402
+
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache  # noqa: E402
 from tokenmill.kernels import gpu  # noqa: E402
 from tokenmill.layers.attention import SequenceSlice, _attend_paged, _causal_sdpa  # noqa: E402
+from tokenmill.layers.linear import linear_of  # noqa: E402
+from tokenmill.layers.quantized import GpuQuantizedLinear, QuantizedWeight  # noqa: E402
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -142,27 +148,42 @@ def prologue_reference(x: torch.Tensor, prologue: str, norm: torch.Tensor, resid
     return F.rms_norm(source.float(), (x.shape[1],), norm.float(), eps).to(dtype), stream
 
 
+def quantized(qtype: QType, rows: int, cols: int, seed: int = 0) -> QuantizedWeight:
+    return quantized_weight(random_blocks(qtype, rows, cols, seed), qtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cols", [200, 1500])  # within one 1024-wide tile, and past it
+@pytest.mark.parametrize(("weight_type", "rows", "cols"), [
+    ("dense", 1, 200),  # within one 1024-wide pass
+    ("dense", 1, 1500),  # past it
+    ("Q5_1", 3, 800),  # quantized (5 bits, mins), three rows: passes of 256 columns, the last one partial
+])
 @pytest.mark.parametrize("prologue", ["none", "norm", "add_norm", "silu_mul", "gelu_mul"])
-def test_row_matmul_with_each_prologue(dtype: torch.dtype, cols: int, prologue: str, device: str) -> None:
-    """Outputs past one 16-wide tile, not a multiple of it; a bias where the q|k|v projection has one (Qwen's)."""
+def test_row_matmul_with_each_prologue(dtype: torch.dtype, weight_type: str, rows: int, cols: int, prologue: str,
+                                       device: str) -> None:
+    """Outputs past one 4-wide tile, not a multiple of it; a bias where the q|k|v projection has one (Qwen's)."""
     torch.manual_seed(3)
-    n_out, eps = 72, 1e-6
-    x = torch.randn(1, 2 * cols if prologue.endswith("_mul") else cols).to(dtype)
-    weight = (torch.randn(n_out, cols) / cols**0.5).to(dtype)
+    n_out, eps = 70, 1e-6
+    x = torch.randn(rows, 2 * cols if prologue.endswith("_mul") else cols).to(dtype)
+    if weight_type == "dense":
+        weight = (torch.randn(n_out, cols) / cols**0.5).to(dtype)
+        dense, on_device = weight.float(), weight.to(device)
+    else:
+        packed = quantized(QType[weight_type], n_out, cols)
+        dense, on_device = packed.dequantize(), packed.gpu_rows(torch.device(device))
     bias = torch.randn(n_out).to(dtype) if prologue in ("none", "add_norm") else None
-    norm, residual = torch.randn(cols).to(dtype), torch.randn(1, cols).to(dtype)
+    norm, residual = torch.randn(cols).to(dtype), torch.randn(rows, cols).to(dtype)
     a, stream = prologue_reference(x, prologue, norm, residual, eps)
-    expected = a.float() @ weight.float().T + (0 if bias is None else bias.float())
+    expected = a.float() @ dense.T + (0 if bias is None else bias.float())
     fused: dict = {"norm": norm.to(device), "eps": eps} if "norm" in prologue else {}
     if prologue == "add_norm":
         fused["residual"] = residual.to(device)
     x_in = x.to(device)
-    out, got_stream = gpu.row_matmul(x_in, weight.to(device), None if bias is None else bias.to(device), prologue,
-                                     **fused)
-    torch.testing.assert_close(out.cpu().float(), expected, atol=tolerance(dtype), rtol=tolerance(dtype))
-    assert out.dtype == dtype and out.shape == (1, n_out)
+    out, got_stream = gpu.row_matmul(x_in, on_device, None if bias is None else bias.to(device), prologue, **fused)
+    scale = expected.abs().max()  # a quantized weight's products are larger than the dense one's
+    torch.testing.assert_close(out.cpu().float() / scale, expected / scale, atol=tolerance(dtype),
+                               rtol=tolerance(dtype))
+    assert out.dtype == dtype and out.shape == (rows, n_out)
     torch.testing.assert_close(x_in.cpu(), x, atol=0, rtol=0)  # x is read, never written
     if stream is None:
         assert got_stream is None
@@ -172,18 +193,83 @@ def test_row_matmul_with_each_prologue(dtype: torch.dtype, cols: int, prologue: 
                                    rtol=tolerance(dtype))
 
 
-def test_row_matmul_takes_one_row_of_a_dense_weight(monkeypatch) -> None:
-    """One row on a GPU (as here through the interpreter); two rows, the kernels off, or the switch off: not."""
+QUANTIZED_TYPES_BY_NAME = sorted(QUANTIZED_TYPES, key=lambda t: t.name)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES_BY_NAME, ids=lambda t: t.name)
+def test_quantized_rows_hold_the_values_gguf_decodes(qtype: QType, device: str) -> None:
+    """Each type in the GPU's layout, in as many bytes a weight as the CPU's, dequantized whole and row by row (an
+    embedding's lookup) to the CPU layout's values, which are gguf's (test_quantized.py)."""
+    weight = quantized(qtype, 40, 256)
+    rows = weight.gpu_rows(torch.device(device))
+    expected = weight.dequantize()
+    assert rows.shape == (40, 256) and rows.q.numel() == 40 * 256 * weight.bits // 8
+    # fp32 products and sums: at most a rounding apart (a GPU fuses the multiply and the add of the min)
+    torch.testing.assert_close(rows.dequantize(torch.float32).cpu(), expected, atol=0, rtol=1e-6)
+    index = torch.tensor([39, 0, 7, 0])
+    looked_up = rows.dequantize(torch.bfloat16, index.to(device))
+    assert looked_up.dtype == torch.bfloat16
+    torch.testing.assert_close(looked_up.cpu().float(), expected[index], atol=0, rtol=1 / 128)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES_BY_NAME, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_row_matmul_multiplies_each_quantized_type(qtype: QType, rows: int, device: str) -> None:
+    weight = quantized(qtype, 40, 512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    out, stream = gpu.row_matmul(x.to(device), weight.gpu_rows(torch.device(device)))
+    expected = x.double() @ weight.dequantize().double().T
+    scale = expected.abs().max()
+    torch.testing.assert_close(out.cpu().double() / scale, expected / scale, atol=1e-6, rtol=1e-5)
+    assert stream is None
+
+
+def test_row_matmul_takes_one_row_of_a_dense_weight_and_up_to_8_of_a_quantized_one(monkeypatch) -> None:
+    """On a GPU (as here through the interpreter): one row of a dense weight, up to 8 of a quantized one; more rows,
+    the kernels off, or the switch off: not."""
     monkeypatch.setattr(gpu, "runs", lambda x: True)
     assert gpu.row_matmul_runs(torch.empty(1, 4))
     assert not gpu.row_matmul_runs(torch.empty(2, 4))
+    assert gpu.row_matmul_runs(torch.empty(8, 4), quantized=True)
+    assert not gpu.row_matmul_runs(torch.empty(9, 4), quantized=True)
     gpu.use_row_matmul(False)
     try:
         assert not gpu.row_matmul_runs(torch.empty(1, 4))
+        assert not gpu.row_matmul_runs(torch.empty(1, 4), quantized=True)
     finally:
         gpu.use_row_matmul(True)
     monkeypatch.setattr(gpu, "runs", lambda x: False)
     assert not gpu.row_matmul_runs(torch.empty(1, 4))
+    assert not gpu.row_matmul_runs(torch.empty(1, 4), quantized=True)
+
+
+def test_a_quantized_linear_on_the_gpu_runs_few_rows_in_row_matmul_and_more_on_its_dequantized_matrix(
+        monkeypatch) -> None:
+    """Up to 8 rows: row_matmul on the quantized weights; 9: the matrix dequantized for the matmul, or the dense copy
+    where there is one (no kernel at all)."""
+    launched: list[str] = []
+    kernels = gpu._kernels()
+
+    class Counting:
+        def __getattr__(self, name: str) -> object:
+            launched.append(name)
+            return getattr(kernels, name)
+
+    monkeypatch.setattr(gpu, "_kernels", Counting)
+    monkeypatch.setattr(gpu, "runs", lambda x: True)
+    weight = quantized(QType.Q4_K, 24, 256)
+    bias = torch.randn(24)
+    layer = GpuQuantizedLinear(weight.gpu_rows(torch.device("cpu")), bias)
+    x = torch.randn(9, 256)
+    expected = x @ weight.dequantize().T + bias
+    for rows, kernel in ((8, "row_matmul"), (9, "dequantize")):
+        launched.clear()
+        torch.testing.assert_close(layer(x[:rows]), expected[:rows], atol=1e-4, rtol=1e-5)
+        assert launched == [kernel]
+    layer.dense = linear_of(weight.dequantize(), bias)
+    launched.clear()
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+    assert launched == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
-from helpers import our_logits, write_tiny_gguf
+from helpers import our_logits, random_blocks, write_tiny_gguf
 from torch import nn
 
 from tokenmill import kernels
@@ -23,22 +23,7 @@ from tokenmill.loader import load_model
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight
 from tokenmill.models import registry
 
-# Where each type's fp16 scale fields sit in its block: random bytes there could be NaN or huge.
-_FP16_FIELDS = {QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q8_0: (0,), QType.Q5_0: (0,), QType.Q5_1: (0, 2),
-                QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.Q2_K: (80, 82), QType.Q3_K: (108,)}
 TYPES = sorted(QUANTIZED_TYPES, key=lambda t: t.name)
-
-
-def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random blocks of qtype (every bit pattern of the quants, sane scales): raw bytes [rows, bytes per row]."""
-    rng = np.random.default_rng(seed)
-    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // per_block * block_bytes), dtype=np.uint8)
-    blocks = raw.reshape(-1, block_bytes)
-    for offset in _FP16_FIELDS[qtype]:
-        scales = rng.normal(0, 0.05, (blocks.shape[0], 1)).astype(np.float16)
-        blocks[:, offset:offset + 2] = scales.view(np.uint8)
-    return raw
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

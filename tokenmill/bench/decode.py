@@ -1,6 +1,6 @@
 """Decode and prefill speed of a model inside the engine (no HTTP), per dtype, and on CUDA with and without graphs.
 
-    python -m tokenmill.bench.decode [MODEL] --dtype float32 bfloat16 --tokens 128 --runs 5 [--no-quantized-weights]
+    python -m tokenmill.bench.decode [MODEL] --dtype float32 bfloat16 --tokens 128 --runs 5 [--quantized both]
     python -m tokenmill.bench.decode MODEL --device cuda --dtype bfloat16 --streams 1 32 256 --graphs both \\
         --row-matmul both --prefill --profile
 
@@ -178,7 +178,9 @@ def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads
     try:
         prompt_ids = engine.tokenizer.encode(PROMPT)
         asyncio.run(_streams(engine, [prompt_ids] * max(streams), 8))  # warm-up
-        result: dict = {"weights": sum(weight_bytes(engine.runner.model)), "graphs": engine.runner.graphs is not None,
+        quantized_bytes, dense_bytes = weight_bytes(engine.runner.model)
+        result: dict = {"weights": quantized_bytes + dense_bytes, "quantized": quantized_bytes > 0,
+                        "graphs": engine.runner.graphs is not None,
                         "row_matmul": row_matmul and engine.runner.device.type == "cuda"}
         for n in streams:
             result[n] = [asyncio.run(_streams(engine, [prompt_ids] * n, tokens)) for _ in range(runs)]
@@ -209,36 +211,38 @@ def main() -> None:
     parser.add_argument("--row-matmul", choices=["on", "off", "both"], default="on",
                         help="CUDA: one-row projections through tokenmill's row_matmul kernel, the norms and SwiGLU "
                              "fused in (off: cuBLAS; both: each, in its own process)")
-    parser.add_argument("--no-quantized-weights", dest="quantized", action="store_false",
-                        help="dequantize GGUF weights at load (the A/B of the quantized kernels)")
+    parser.add_argument("--quantized", choices=["on", "off", "both"], default="on",
+                        help="GGUF weights kept quantized (off: dequantized at load, --no-quantized-weights; both: "
+                             "each, in its own process): the A/B of the quantized kernels")
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
-          f"{threads} threads, quantized weights {'on' if args.quantized else 'off'}")
-    print(f"{'dtype':<10} {'graphs':<7} {'row mm':<8} {'streams':>7} {'median tok/s':>12} {'min':>9} {'max':>9} "
-          f"{'weights GB/s':>12}")
+          f"{threads} threads")
+    print(f"{'dtype':<10} {'quant':<6} {'graphs':<7} {'row mm':<8} {'streams':>7} {'median tok/s':>12} {'min':>9} "
+          f"{'max':>9} {'weights GB/s':>12}")
     spawn = multiprocessing.get_context("spawn")
     both = {"on": [True], "off": [False], "both": [False, True]}
-    for dtype in args.dtype:
-        for graphs in both[args.graphs]:
-            for row in both[args.row_matmul]:
-                # A fresh process each, so none inherits another's memory, thread pools or graphs.
-                with spawn.Pool(1) as pool:
-                    result = pool.apply(measure, (args.model, dtype, args.device, args.tokens, args.runs,
-                                                  args.threads, args.quantized, args.streams, not graphs, args.prefill,
-                                                  args.profile, row))
-                mode = f"{'on' if result['graphs'] else 'off':<7} {'on' if result['row_matmul'] else 'off':<8}"
-                for n in args.streams:
-                    speeds = result[n]
-                    read = statistics.median(speeds) / n * result["weights"] / 1e9  # steps a second x bytes a step
-                    print(f"{dtype:<10} {mode} {n:>7} {statistics.median(speeds):>12.1f} {min(speeds):>9.1f} "
-                          f"{max(speeds):>9.1f} {read:>12.1f}")
-                if "prefill" in result:
-                    speeds = result["prefill"]
-                    print(f"{dtype:<10} {mode} {'prefill':>7} {statistics.median(speeds):>12.1f} "
-                          f"{min(speeds):>9.1f} {max(speeds):>9.1f}")
-                if "profile" in result:
-                    print(f"profile, {dtype}, graphs and row matmul {' '.join(mode.split())}:\n{result['profile']}")
+    runs = [(d, q, g, r) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
+            for r in both[args.row_matmul]]
+    for dtype, quantized, graphs, row in runs:
+        # A fresh process each, so none inherits another's memory, thread pools or graphs.
+        with spawn.Pool(1) as pool:
+            result = pool.apply(measure, (args.model, dtype, args.device, args.tokens, args.runs,
+                                          args.threads, quantized, args.streams, not graphs, args.prefill,
+                                          args.profile, row))
+        mode = (f"{'on' if result['quantized'] else 'off':<6} {'on' if result['graphs'] else 'off':<7} "
+                f"{'on' if result['row_matmul'] else 'off':<8}")
+        for n in args.streams:
+            speeds = result[n]
+            read = statistics.median(speeds) / n * result["weights"] / 1e9  # steps a second x bytes a step
+            print(f"{dtype:<10} {mode} {n:>7} {statistics.median(speeds):>12.1f} {min(speeds):>9.1f} "
+                  f"{max(speeds):>9.1f} {read:>12.1f}")
+        if "prefill" in result:
+            speeds = result["prefill"]
+            print(f"{dtype:<10} {mode} {'prefill':>7} {statistics.median(speeds):>12.1f} "
+                  f"{min(speeds):>9.1f} {max(speeds):>9.1f}")
+        if "profile" in result:
+            print(f"profile, {dtype}, quantized, graphs and row matmul {' '.join(mode.split())}:\n{result['profile']}")
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,8 @@
 """tokenmill's GPU kernels (kernels/triton_kernels.py) and their launches: paged decode and prefill attention that
-read the block tables themselves, RMSNorm with the residual add, SwiGLU, RoPE with the KV write, and a one-row
-matmul with the norm or SwiGLU before it fused in (row_matmul), each one launch where torch takes several.
+read the block tables themselves, RMSNorm with the residual add, SwiGLU, RoPE with the KV write, and a matmul of few
+rows with the norm or SwiGLU before it fused in (row_matmul), each one launch where torch takes several; and GGUF's
+quantized matrices kept so on the GPU (QuantizedRows): row_matmul dequantizes them as it reads them, and
+QuantizedRows.dequantize for cuBLAS's matmuls of more rows and for embedding lookups.
 
 Triton comes with PyTorch's CUDA builds; without it (a CPU build) `available()` is False and the callers keep torch's
 own ops. Tests run these kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
@@ -13,6 +15,7 @@ import functools
 import importlib.util
 import logging
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -79,6 +82,8 @@ def _each_kernel(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]
     tables = torch.arange(1, 41, device=device).view(2, 20)
     block_seq, block_row = prefill_blocks([3, 40])
     cos, sin = rand(2, 1, 32).float(), rand(2, 1, 32).float()
+    codes = torch.randint(0, 256, (40, 32), dtype=torch.uint8, generator=generator).to(device)
+    quantized = QuantizedRows(codes, rand(40, 2), rand(40, 2), 8, 32, 4)  # Q4_1's layout
     return [
         paged_decode_attention(rand(2, 4, 64), k_cache, v_cache, tables, ints(300, 7), 0.125),
         paged_prefill_attention(rand(43, 4, 64), k_cache, v_cache, tables, ints(0, 100), ints(0, 3, 43),
@@ -88,6 +93,8 @@ def _each_kernel(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]
         rope_store_kv(rand(2, 8 * 64), cos, sin, k_cache, v_cache, ints(5, 600), 4, 2),
         row_matmul(rand(1, 64), rand(40, 64), rand(40), "add_norm", rand(64), 1e-5, rand(1, 64))[0],
         row_matmul(rand(1, 128), rand(40, 64), None, "silu_mul")[0],
+        row_matmul(rand(3, 64), quantized, None, "norm", rand(64), 1e-5)[0],
+        quantized.dequantize(dtype, ints(5, 0, 39)),
     ]
 
 
@@ -217,10 +224,51 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     return q
 
 
-# A one-sequence decode step's projections (one row) run as row_matmul, with the op before each fused in: on an
-# H200, cuBLAS took ~3.8 us a projection of SmolLM2's shape at one row, and the norms and SwiGLU a launch each beside
-# it. A tiled version for up to 16 rows (tl.dot, 128 columns a pass) took 12 us a call: each pass of its loop waited
-# for its loads. More rows keep cuBLAS.
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A GGUF matrix kept quantized on the GPU: each row's blocks of 32 weights one after another (the layout
+    triton_kernels.weight_tile reads; layers/quantized.py converts from the CPU's interleaved one)."""
+
+    q: torch.Tensor  # [out, in * bits / 8]: uint8 blocks of 4 to 6 bits, or int8 [out, in] of 8
+    scales: torch.Tensor  # [out, in / sub], fp16 or fp32
+    mins: torch.Tensor | None  # as scales, or None for 0
+    zero: int
+    sub: int
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * 8 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None)
+
+    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense [out, in] matrix in dtype, or the given rows of it (an embedding's lookup)."""
+        n, cols = self.shape if rows is None else (rows.numel(), self.shape[1])
+        out = torch.empty(n, cols, dtype=dtype, device=self.q.device)
+        block_n, block_k = 16, min(256, _pow2(cols))
+        _kernels().dequantize[(-(-n // block_n), -(-cols // block_k))](
+            self.q, self.scales, self.scales if self.mins is None else self.mins, self.q if rows is None else rows,
+            out, n, cols, self.q.stride(0), self.scales.stride(0), out.stride(0), **self.format(),
+            HAS_INDEX=rows is not None, BLOCK_N=block_n, BLOCK_K=block_k)
+        return out
+
+    def format(self) -> dict[str, int | bool]:
+        """The kernels' constexprs of this layout."""
+        return {"BITS": self.bits, "SUB": self.sub, "ZERO": self.zero, "HAS_MINS": self.mins is not None}
+
+
+DENSE = {"BITS": 0, "SUB": 1, "ZERO": 0, "HAS_MINS": False}
+
+
+# A decode step's projections of few rows run as row_matmul, with the op before each fused in: on an H200, cuBLAS
+# took ~3.8 us a projection of SmolLM2's shape at one row, and the norms and SwiGLU a launch each beside it. A tiled
+# version for up to 16 rows (tl.dot, 128 columns a pass) took 12 us a call: each pass of its loop waited for its
+# loads. So a dense matrix takes it for one row; a quantized one for up to QUANTIZED_ROWS, its weights dequantized
+# as they are read (beyond, they are dequantized for cuBLAS: vLLM's GGUF path draws the same line at 8 rows).
+QUANTIZED_ROWS = 8
 _row_matmul = [True]  # the A/B switch: EngineConfig.gpu_row_matmul (Engine._setup)
 
 
@@ -228,34 +276,44 @@ def use_row_matmul(on: bool) -> None:
     _row_matmul[0] = on
 
 
-def row_matmul_runs(x: torch.Tensor) -> bool:
-    """Whether x times a dense weight takes row_matmul: one row, on a GPU where the kernels run."""
-    return _row_matmul[0] and x.shape[0] == 1 and runs(x)
+def row_matmul_runs(x: torch.Tensor, quantized: bool = False) -> bool:
+    """Whether x times a dense (or quantized) weight takes row_matmul: one row (up to QUANTIZED_ROWS), on a GPU where
+    the kernels run."""
+    return _row_matmul[0] and x.shape[0] <= (QUANTIZED_ROWS if quantized else 1) and runs(x)
 
 
-# Outputs a program computes, and the most columns a pass of its loop reads. Measured on an H200 at one stream of
-# SmolLM2's shape (bf16, graphs): 16 outputs a program 879 tok/s, 8: 896, 4: 1,065 (cuBLAS: 835). Fewer outputs, more
-# programs, more loads in flight at once; a SmolLM2 projection's 576-1,536 columns in one pass.
+# Outputs a program computes, and the most columns a pass of its loop reads (of one row: more rows, fewer columns, so
+# a program's product stays in registers). Measured on an H200 at one stream of SmolLM2's shape (bf16, graphs): 16
+# outputs a program 879 tok/s, 8: 896, 4: 1,065 (cuBLAS: 835). Fewer outputs, more programs, more loads in flight at
+# once; a SmolLM2 projection's 576-1,536 columns in one pass.
 ROW_OUTPUTS = 4
 ROW_COLUMNS = 1024
 
 _PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "silu_mul": 3, "gelu_mul": 4}
 
 
-def row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: str = "none",
-               norm: torch.Tensor | None = None, eps: float = 0.0,
+def row_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedRows, bias: torch.Tensor | None = None,
+               prologue: str = "none", norm: torch.Tensor | None = None, eps: float = 0.0,
                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(prologue(x) @ weight.T + bias, the stream x + residual where prologue is add_norm, else None), for x of one
-    row [1, cols] (the activations' prologues: [1, 2 * cols], gate | up). triton_kernels.row_matmul says what each
-    prologue computes."""
+    """(prologue(x) @ weight.T + bias, the stream x + residual where prologue is add_norm, else None), for x of a few
+    rows [rows, cols] (the activations' prologues: [rows, 2 * cols], gate | up). triton_kernels.row_matmul says what
+    each prologue computes."""
     x = x if x.stride(-1) == 1 else x.contiguous()
+    rows = x.shape[0]
+    if isinstance(weight, QuantizedRows):
+        w, scales, mins, layout = weight.q, weight.scales, weight.mins, weight.format()
+    else:
+        w, scales, mins, layout = weight, weight, None, DENSE
     n_out = weight.shape[0]
     cols = x.shape[1] // 2 if prologue in ("silu_mul", "gelu_mul") else x.shape[1]
-    out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
-    stream = torch.empty_like(x) if prologue == "add_norm" else None
+    out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    stream = torch.empty(rows, cols, dtype=x.dtype, device=x.device) if prologue == "add_norm" else None
+    r = x if residual is None else residual
+    block_m = _pow2(rows)
     _kernels().row_matmul[(-(-n_out // ROW_OUTPUTS),)](
-        x, x if residual is None else residual, weight if norm is None else norm, weight,
-        weight if bias is None else bias, out, x if stream is None else stream, cols, n_out, eps, weight.stride(0),
-        PROLOGUE=_PROLOGUES[prologue], HAS_BIAS=bias is not None, BLOCK_N=ROW_OUTPUTS,
-        BLOCK_K=min(_pow2(cols), ROW_COLUMNS), num_warps=4)
+        x, r, w if norm is None else norm, w, scales, scales if mins is None else mins, w if bias is None else bias,
+        out, x if stream is None else stream, rows, cols, n_out, eps, x.stride(0), r.stride(0),
+        0 if stream is None else stream.stride(0), out.stride(0), w.stride(0), scales.stride(0),
+        PROLOGUE=_PROLOGUES[prologue], HAS_BIAS=bias is not None, **layout,
+        BLOCK_M=block_m, BLOCK_N=ROW_OUTPUTS, BLOCK_K=min(_pow2(cols), ROW_COLUMNS // block_m), num_warps=4)
     return out, stream

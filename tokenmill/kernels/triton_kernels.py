@@ -184,10 +184,61 @@ def rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, sl
     tl.store(dst + half + i, r2.to(q_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
-def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, cols, n_out, eps, stride_w,
-               PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out = a @ w.T (+ bias) for one row (a one-sequence decode step), BLOCK_N of w's rows a program, where a is
-    x after a prologue that would otherwise be a kernel of its own:
+def weight_tile(w_ptr, scales_ptr, mins_ptr, n, k, mask, stride_w, stride_s, BITS: tl.constexpr, SUB: tl.constexpr,
+                ZERO: tl.constexpr, HAS_MINS: tl.constexpr):
+    """Weights [n, k] in fp32, for row indices n [BLOCK_N, 1] and columns k [1, BLOCK_K]. BITS 0: a dense matrix.
+    Else a quantized one as gpu.QuantizedRows lays it out: per row, its blocks of 32 weights one after another, each
+    16 bytes of nibbles (weight j in the low nibble of byte j, 16 + j in the high one) then, for 5 bits, 4 bytes of
+    fifth bits (weight 4c + i in bit 2c of byte i, 16 + 4c + i in bit 2c + 1) or, for 6 bits, 8 bytes of top two
+    bits (weights 4c + i in bits 2c, 2c + 1 of byte i, and 16 + 4c + i of byte 4 + i); 8 bits: one signed byte a
+    weight. A weight is (q - ZERO) * scale (+ min), with a scale (and min) per SUB weights."""
+    rows = n.to(tl.int64)
+    if BITS == 0:
+        w = tl.load(w_ptr + rows * stride_w + k, mask=mask, other=0.0).to(tl.float32)
+    else:
+        if BITS == 8:
+            q = tl.load(w_ptr + rows * stride_w + k, mask=mask, other=0).to(tl.int32)
+        else:
+            block = rows * stride_w + (k // 32) * (4 * BITS)
+            half = (k % 32) // 16
+            i = k % 16
+            q = (tl.load(w_ptr + block + i, mask=mask, other=0).to(tl.int32) >> (4 * half)) & 15
+            if BITS == 5:
+                high = tl.load(w_ptr + block + 16 + i % 4, mask=mask, other=0).to(tl.int32)
+                q |= ((high >> (2 * (i // 4) + half)) & 1) << 4
+            if BITS == 6:
+                high = tl.load(w_ptr + block + 16 + 4 * half + i % 4, mask=mask, other=0).to(tl.int32)
+                q |= ((high >> (2 * (i // 4))) & 3) << 4
+        scale = rows * stride_s + k // SUB
+        w = (q - ZERO).to(tl.float32) * tl.load(scales_ptr + scale, mask=mask, other=0.0).to(tl.float32)
+        if HAS_MINS:
+            w += tl.load(mins_ptr + scale, mask=mask, other=0.0).to(tl.float32)
+    return w
+
+@triton.jit
+def dequantize(w_ptr, scales_ptr, mins_ptr, index_ptr, out_ptr, n_rows, cols, stride_w, stride_s, stride_o,
+               BITS: tl.constexpr, SUB: tl.constexpr, ZERO: tl.constexpr, HAS_MINS: tl.constexpr,
+               HAS_INDEX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows of a quantized matrix (weight_tile's layout) in out's dtype: row r of out is row index[r] (HAS_INDEX:
+    an embedding's lookup) or row r."""
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r_mask = r < n_rows
+    source = tl.load(index_ptr + r, mask=r_mask, other=0) if HAS_INDEX else r
+    mask = r_mask[:, None] & (k < cols)[None, :]
+    w = weight_tile(w_ptr, scales_ptr, mins_ptr, source[:, None], k[None, :], mask, stride_w, stride_s, BITS, SUB,
+                    ZERO, HAS_MINS)
+    tl.store(out_ptr + r[:, None].to(tl.int64) * stride_o + k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+@triton.jit
+def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, sum_ptr, rows, cols,
+               n_out, eps, stride_x, stride_r, stride_sum, stride_o, stride_w, stride_s,
+               PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr,
+               ZERO: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """out = a @ w.T (+ bias) for a few rows (a decode step of few sequences), BLOCK_N of w's rows a program, every
+    row of the step in it (BLOCK_M: rows, padded), w dense or quantized (weight_tile), where a is x after a prologue
+    that would otherwise be a kernel of its own:
     PROLOGUE 0: x; 1: RMSNorm(x) * norm; 2: RMSNorm(x + residual) * norm, the sum (rounded to x's dtype, as the
     residual stream holds it) written into sum_ptr by the first program; 3: silu(gate) * up and 4: gelu_tanh(gate)
     * up of x = [gate | up] (cols each). Each prologue's result is rounded to x's dtype, as the op it replaces would
@@ -196,38 +247,49 @@ def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < n_out
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < rows
     dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + m[:, None] * stride_x
+    r_rows = residual_ptr + m[:, None] * stride_r
     if PROLOGUE == 1 or PROLOGUE == 2:
-        squares = tl.zeros([BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
         for k0 in range(0, cols, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + k, mask=k < cols, other=0.0).to(tl.float32)
+            k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            mask = m_mask[:, None] & (k < cols)
+            a = tl.load(x_rows + k, mask=mask, other=0.0).to(tl.float32)
             if PROLOGUE == 2:
-                a = (a + tl.load(residual_ptr + k, mask=k < cols, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+                a = (a + tl.load(r_rows + k, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             squares += a * a
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, 0) / cols + eps)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, 1) / cols + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, cols, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < cols
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        a = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        w = weight_tile(w_ptr, scales_ptr, mins_ptr, n[:, None], k[None, :], n_mask[:, None] & k_mask[None, :],
+                        stride_w, stride_s, BITS, SUB, ZERO, HAS_MINS)
+        mask = m_mask[:, None] & k_mask[None, :]
+        a = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
         if PROLOGUE == 2:
-            a = (a + tl.load(residual_ptr + k, mask=k_mask, other=0.0).to(tl.float32)).to(dtype)
+            a = (a + tl.load(r_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)).to(dtype)
             if pid == 0:
-                tl.store(sum_ptr + k, a, mask=k_mask)
+                tl.store(sum_ptr + m[:, None] * stride_sum + k[None, :], a, mask=mask)
             a = a.to(tl.float32)
         if PROLOGUE == 1 or PROLOGUE == 2:
-            a = a * rstd * tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            a = a * rstd[:, None] * tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         if PROLOGUE == 3 or PROLOGUE == 4:
-            up = tl.load(x_ptr + cols + k, mask=k_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + cols + k[None, :], mask=mask, other=0.0).to(tl.float32)
             if PROLOGUE == 3:
                 a = a / (1.0 + tl.exp(-a)) * up
             else:  # tanh(y) = 1 - 2 / (exp(2y) + 1)
                 y = 0.7978845608028654 * (a + 0.044715 * a * a * a)
                 a = 0.5 * a * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * up
-        acc += tl.sum(a.to(dtype).to(tl.float32)[None, :] * w.to(tl.float32), 1)
+        a = a.to(dtype).to(tl.float32)
+        if BLOCK_M == 1:  # one row: [1, BLOCK_K] against the tile, no third dimension
+            acc += tl.sum(a * w, 1)[None, :]
+        else:
+            acc += tl.sum(a[:, None, :] * w[None, :, :], 2)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])

@@ -5,8 +5,8 @@ oneDNN reorders a weight into its own blocked layout on every plain matmul call;
 load. Measured on a 2-core Zen 4 (torch 2.13): bf16 matmuls 1.1-3.7x faster at 1-2048 rows (the output head at 32
 rows: 8.5 -> 5.2 ms) with bitwise the same results, fp32 1.2-6.7x faster.
 
-On a GPU, project() and RMSNorm.norm_linear send a one-row matmul of a plain Linear to tokenmill's row_matmul kernel
-(kernels/gpu.py), the norm or SwiGLU before it fused in.
+On a GPU, project() and RMSNorm.norm_linear send a one-row matmul of a plain Linear, and one of up to 8 rows of a
+quantized one, to tokenmill's row_matmul kernel (kernels/gpu.py), the norm or SwiGLU before it fused in.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import gpu
+from tokenmill.layers.quantized import GpuQuantizedLinear
 
 # The row count oneDNN picks the layout for; measured: the layout chosen for 32 serves 1 to 2048 rows well.
 PACK_FOR_ROWS = 32
@@ -116,9 +117,11 @@ def prepack_linears(module: nn.Module) -> None:
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
 
 
-def row_matmul_takes(linear: nn.Module, x: torch.Tensor) -> TypeGuard[nn.Linear]:
-    """Whether linear's matmul of x runs as tokenmill's row_matmul kernel (a one-sequence decode step's row on a
-    GPU, a plain Linear's dense weight: kernels/gpu.py), with the op before it fused in where the caller has one."""
+def row_matmul_takes(linear: nn.Module, x: torch.Tensor) -> TypeGuard[nn.Linear | GpuQuantizedLinear]:
+    """Whether linear's matmul of x runs as tokenmill's row_matmul kernel (a decode step of one sequence, or of a few
+    over quantized weights, on a GPU: kernels/gpu.py), with the op before it fused in where the caller has one."""
+    if isinstance(linear, GpuQuantizedLinear):
+        return gpu.row_matmul_runs(x, quantized=True)
     return isinstance(linear, nn.Linear) and gpu.row_matmul_runs(x)
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import gpu
+
 INTERLEAVE = 16  # output rows a group interleaves: kInterleave in kernels/cpu.h
 
 
@@ -101,6 +103,13 @@ class QuantizedWeight:
             q = q | (torch.cat([h.flatten(-2) for h in high], dim=2) << 4)
         return q.view(n, width), scales, mins
 
+    def gpu_rows(self, device: torch.device) -> gpu.QuantizedRows:
+        """The same values in the GPU kernels' layout, on device: plain()'s rows, whose blocks are already what the
+        kernels read."""
+        q, scales, mins = self.plain()
+        return gpu.QuantizedRows(q.to(device), scales.to(device), None if mins is None else mins.to(device),
+                                 self.zero, self.sub, self.bits)
+
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight of the given rows (output features), in that order."""
         return QuantizedWeight.interleave(*self.plain(index), self.zero, self.sub)
@@ -170,10 +179,45 @@ class QuantizedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-class QuantizedEmbedding(nn.Module):
-    """Rows of a quantized table, dequantized as they are looked up."""
+class GpuQuantizedLinear(nn.Module):
+    """A quantized Linear on a GPU (gpu.QuantizedRows): steps of up to gpu.QUANTIZED_ROWS rows run row_matmul on the
+    quantized weights, which layers/linear.project and the norms fuse their ops into; more rows take the dense copy
+    where there is one, else the matrix dequantized for cuBLAS's matmul."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: gpu.QuantizedRows, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.dense: nn.Module | None = None
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.dequantize(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in] -> [rows, out]."""
+        if gpu.row_matmul_runs(x, quantized=True):
+            return gpu.row_matmul(x, self.weight, self.bias)[0]
+        if self.dense is not None:
+            return self.dense(x)
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+
+
+def on_device(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight | gpu.QuantizedRows:
+    """weight as the kernels of device read it."""
+    return weight.gpu_rows(device) if device.type == "cuda" else weight
+
+
+def linear_module(weight: QuantizedWeight | gpu.QuantizedRows, bias: torch.Tensor | None) -> nn.Module:
+    """The Linear of on_device's weight."""
+    if isinstance(weight, gpu.QuantizedRows):
+        return GpuQuantizedLinear(weight, bias)
+    return QuantizedLinear(weight, bias)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Rows of a quantized table, dequantized as they are looked up (on the CPU or, as gpu.QuantizedRows, a GPU)."""
+
+    def __init__(self, weight: QuantizedWeight | gpu.QuantizedRows, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = weight
         self.dtype = dtype

@@ -13,6 +13,7 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.errors import ModelFormatError
+from tokenmill.kernels import gpu
 from tokenmill.layers.linear import cpu_computes_bf16
 from tokenmill.layers.quantized import QuantizedWeight
 from tokenmill.loader import gguf as gguf_loader
@@ -80,21 +81,37 @@ def weight_bytes(model: CausalLM) -> tuple[int, int]:
     quantized = dense = 0
     for module in model.modules():  # type: ignore[attr-defined]
         for value in (*vars(module).values(), *module._parameters.values(), *module._buffers.values()):
-            if id(value) in seen or not isinstance(value, (torch.Tensor, QuantizedWeight)):
+            if id(value) in seen or not isinstance(value, (torch.Tensor, QuantizedWeight, gpu.QuantizedRows)):
                 continue
             seen.add(id(value))
-            if isinstance(value, QuantizedWeight):
+            if isinstance(value, (QuantizedWeight, gpu.QuantizedRows)):
                 quantized += value.nbytes
             else:
                 dense += value.numel() * value.element_size()
     return quantized, dense
 
 
+def _keeps_quantized(device: torch.device, config: ModelConfig) -> bool:
+    """Whether device's kernels run a GGUF's quantized matrices: the CPU's C++ ones with their vector loops, or the
+    GPU's Triton ones (not a mixture of experts', whose experts run on the host: layers/moe.py)."""
+    if device.type == "cuda":
+        if config.num_experts:
+            log.info("a mixture of experts on CUDA: GGUF weights dequantized at load")
+        return not config.num_experts and gpu.serves(device)
+    if device.type != "cpu" or not kernels.load():
+        return False
+    if not kernels.has_vector_kernels():
+        log.info("this CPU lacks AVX2/FMA: GGUF weights dequantized at load (the quantized kernels' plain loops are "
+                 "slower than dense matmuls)")
+        return False
+    return True
+
+
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                max_model_len_cap: int = 8192, prepack: bool = True, quantized: bool = True,
                dense_budget: int | None = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
                deterministic: bool = False, tiles_from_rows: int | None = 0) -> LoadedModel:
-    """quantized: keep a GGUF's quantized matrices in their quantization (on CPU, where the kernels build), with
+    """quantized: keep a GGUF's quantized matrices in their quantization (where the CPU's or GPU's kernels run), with
     dense copies for many-row steps where they fit dense_budget bytes (None: the default for the CPU and dtype,
     models/registry.py); without them, steps of dequantize_from_rows rows or more dequantize each matrix for its
     matmul (0: never); fused_decode: decode steps run each layer of quantized weights as one C++ op;
@@ -110,11 +127,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         gguf_loader.check_tensor_types(gguf)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         template_source = gguf.metadata.get("tokenizer.chat_template")
-        keep = quantized and dev.type == "cpu" and kernels.load()
-        if keep and not kernels.has_vector_kernels():
-            log.info("this CPU lacks AVX2/FMA: GGUF weights dequantized at load (the quantized kernels' plain loops "
-                     "are slower than dense matmuls)")
-            keep = False
+        keep = quantized and _keeps_quantized(dev, config)
         weights = gguf_loader.load_weights(gguf, config, torch_dtype, keep_quantized=keep)
         del gguf  # the reader's parsed fields: ~150 MiB of small objects (the tensors map the file by themselves)
     elif (path / "config.json").exists():

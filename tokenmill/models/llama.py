@@ -30,7 +30,14 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.moe import QuantizedStacked, SparseMoE, StackedWeight
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from tokenmill.layers.quantized import (
+    DENSE_FROM_ROWS,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    linear_module,
+    on_device,
+)
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.config import ModelConfig
 
@@ -344,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
             lacking = [f"{parent}.{part}.{kind}" for part, got in zip(_FUSED[fused], group, strict=True) if got is None]
             raise ModelFormatError(f"the checkpoint lacks {', '.join(lacking)}")
         for target, weight in quantized.items():
-            self._swap_in_quantized(target, weight, state, dtype, tuple(wanted[target].shape))
+            self._swap_in_quantized(target, weight, state, dtype, device, tuple(wanted[target].shape))
         try:
             self.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:  # torch names each missing tensor and each wrong shape
@@ -353,20 +360,21 @@ class LlamaForCausalLM(nn.Module):
             raise ModelFormatError(f"the checkpoint does not fit the model: {exc}{hint}") from exc
 
     def _swap_in_quantized(self, target: str, weight: QuantizedWeight, state: dict[str, torch.Tensor],
-                           dtype: torch.dtype, expected: tuple[int, ...]) -> None:
+                           dtype: torch.dtype, device: torch.device, expected: tuple[int, ...]) -> None:
         """Replace the Linear or Embedding whose weight is target by its quantized module (the bias, if any, moves
-        along); a tied output head reads the same quantized embeddings."""
+        along), in the layout of device's kernels; a tied output head reads the same quantized embeddings."""
         if tuple(weight.shape) != _as_matrix(expected, weight):
             raise ModelFormatError(f"{target}: checkpoint shape {tuple(weight.shape)}, model expects {expected}")
         path = target.removesuffix(".weight")
         if isinstance(self.get_submodule(path), StackedWeight):  # experts: [items, out, in] as items * out rows
             self.set_submodule(path, QuantizedStacked(weight, expected[0]))
         elif isinstance(self.get_submodule(path), nn.Embedding):
-            self.set_submodule(path, QuantizedEmbedding(weight, dtype))
+            table = on_device(weight, device)
+            self.set_submodule(path, QuantizedEmbedding(table, dtype))
             if self.config.tie_word_embeddings:
-                self.lm_head = QuantizedLinear(weight, None)
+                self.lm_head = linear_module(table, None)
         else:
-            self.set_submodule(path, QuantizedLinear(weight, state.pop(f"{path}.bias", None)))
+            self.set_submodule(path, linear_module(on_device(weight, device), state.pop(f"{path}.bias", None)))
 
 
 def _as_matrix(shape: tuple[int, ...], value: torch.Tensor | QuantizedWeight) -> tuple[int, ...]:

@@ -10,9 +10,10 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.errors import ConfigError, ModelFormatError
+from tokenmill.kernels import gpu
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.linear import can_prepack, cpu_has_amx, linear_of
-from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
+from tokenmill.layers.quantized import DENSE_FROM_ROWS, GpuQuantizedLinear, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
@@ -84,6 +85,8 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
         quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         tiles = _use_tiles(quantized, dtype, tiles_from_rows)
         _add_dense_copies(quantized, dtype, dense_budget, dequantize_from_rows, tiles)
+        _add_gpu_dense_copies([m for m in model.modules() if isinstance(m, GpuQuantizedLinear)], dtype,
+                              dense_budget)
     if prepack and can_prepack(device, dtype):
         model.prepack_weights()  # the dense copies too: they are Linears like the rest
     if deterministic:
@@ -135,7 +138,7 @@ def _add_dense_copies(quantized: list[QuantizedLinear], dtype: torch.dtype, budg
     """tiles: whether AMX tiles run the many-row steps (then no copies unless a budget is given)."""
     if not quantized:
         return
-    needed = sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
+    needed = _dense_bytes(quantized, dtype)
     auto = budget is None
     if budget is None:
         budget = AUTO_DENSE_BUDGET if dtype == torch.bfloat16 and cpu_has_amx() and not tiles else 0
@@ -152,7 +155,31 @@ def _add_dense_copies(quantized: list[QuantizedLinear], dtype: torch.dtype, budg
             if dequantize_from_rows else ""
         log.info("quantized weights without dense copies: %s; the quantized kernels run the steps%s", why, after)
         return
-    for module in quantized:
-        module.dense = linear_of(module.dense_weight(dtype), module.bias)
+    _make_dense_copies(quantized, dtype)
     log.info("dense copies of the quantized weights for steps of %d rows or more: %d MiB", DENSE_FROM_ROWS,
              needed >> 20)
+
+
+def _add_gpu_dense_copies(quantized: list[GpuQuantizedLinear], dtype: torch.dtype, budget: int | None) -> None:
+    """On a GPU, steps of more rows than row_matmul takes dequantize each matrix for cuBLAS's matmul, unless the
+    budget (none by default: the point of keeping them quantized is the memory) holds dense copies of them all."""
+    if not quantized:
+        return
+    needed = _dense_bytes(quantized, dtype)
+    if needed > (budget or 0):
+        log.info("quantized weights on the GPU: steps of up to %d rows run row_matmul on them; longer ones dequantize "
+                 "each matrix for its matmul (dense copies would take %d MiB: --dense-weights-budget)",
+                 gpu.QUANTIZED_ROWS, needed >> 20)
+        return
+    _make_dense_copies(quantized, dtype)
+    log.info("quantized weights on the GPU: steps of up to %d rows run row_matmul on them; longer ones dense copies "
+             "(%d MiB)", gpu.QUANTIZED_ROWS, needed >> 20)
+
+
+def _dense_bytes(quantized: list[QuantizedLinear] | list[GpuQuantizedLinear], dtype: torch.dtype) -> int:
+    return sum(m.weight.shape[0] * m.weight.shape[1] * dtype.itemsize for m in quantized)
+
+
+def _make_dense_copies(quantized: list[QuantizedLinear] | list[GpuQuantizedLinear], dtype: torch.dtype) -> None:
+    for module in quantized:
+        module.dense = linear_of(module.dense_weight(dtype), module.bias)
