@@ -42,12 +42,13 @@ class EngineConfig:
     threads: int | None = option(None, "CPU threads for the model (default: torch's choice)")
     prepack_weights: bool = option(True, "on CPU, reorder the weights once at load into oneDNN's blocked layout "
                                          "(matmuls 1.1-3.7x faster, measured)")
-    quantized_weights: bool = option(True, "on CPU, keep a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 matrices in "
-                                           "their quantization, run by tokenmill's C++ kernels (off: dequantize "
-                                           "them to --dtype at load)")
+    quantized_weights: bool = option(True, "keep a GGUF's Q2_K-Q6_K/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrices in their "
+                                           "quantization, run by tokenmill's C++ kernels on CPU and Triton kernels "
+                                           "on CUDA (off: dequantize them to --dtype at load)")
     dense_weights_budget: str = option("auto", "memory that dense copies of the quantized weights may take, for "
-                                               "steps of 32 rows or more (prefill, large batches); beyond it (or 0) "
-                                               "every step runs the quantized kernels. auto: 0 (the kernels, and AMX "
+                                               "steps of 32 rows or more (on CUDA: more than 8); beyond it (or 0) "
+                                               "every step runs the quantized kernels (on CUDA, longer steps "
+                                               "dequantize each matrix for cuBLAS). auto: 0 (the kernels, and AMX "
                                                "tiles where there are any, are as fast as dense matmuls or faster), "
                                                "but 1GiB for bf16 on a CPU with AMX when the tiles are off")
     dequantize_from_rows: int = option(0, "without dense copies, steps of this many rows or more (prefill chunks) "

@@ -4,24 +4,31 @@ TRITON_INTERPRET=1). Skipped where Triton is not installed."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 pytest.importorskip("triton")
 
 from gguf import GGMLQuantizationType as QType  # noqa: E402
-from helpers import random_blocks  # noqa: E402
+from helpers import random_blocks, write_tiny_gguf  # noqa: E402
 
+from tokenmill import loader  # noqa: E402
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache  # noqa: E402
 from tokenmill.kernels import gpu  # noqa: E402
 from tokenmill.layers.attention import SequenceSlice, _attend_paged, _causal_sdpa  # noqa: E402
-from tokenmill.layers.linear import linear_of  # noqa: E402
+from tokenmill.layers.linear import linear_of, row_matmul_takes  # noqa: E402
 from tokenmill.layers.quantized import GpuQuantizedLinear, QuantizedWeight  # noqa: E402
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from tokenmill.loader import load_model  # noqa: E402
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight  # noqa: E402
+from tokenmill.models import llama as llama_module  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -161,7 +168,8 @@ def quantized(qtype: QType, rows: int, cols: int, seed: int = 0) -> QuantizedWei
 @pytest.mark.parametrize("prologue", ["none", "norm", "add_norm", "silu_mul", "gelu_mul"])
 def test_row_matmul_with_each_prologue(dtype: torch.dtype, weight_type: str, rows: int, cols: int, prologue: str,
                                        device: str) -> None:
-    """Outputs past one 4-wide tile, not a multiple of it; a bias where the q|k|v projection has one (Qwen's)."""
+    """Outputs past one tile (4 wide, 32 in the interpreter), not a multiple of it; a bias where the q|k|v projection
+    has one (Qwen's)."""
     torch.manual_seed(3)
     n_out, eps = 70, 1e-6
     x = torch.randn(rows, 2 * cols if prologue.endswith("_mul") else cols).to(dtype)
@@ -232,6 +240,10 @@ def test_row_matmul_takes_one_row_of_a_dense_weight_and_up_to_8_of_a_quantized_o
     assert not gpu.row_matmul_runs(torch.empty(2, 4))
     assert gpu.row_matmul_runs(torch.empty(8, 4), quantized=True)
     assert not gpu.row_matmul_runs(torch.empty(9, 4), quantized=True)
+    # the layers' question, of their Linears (the norm or SwiGLU before it fused in where it is yes)
+    dense, kept = nn.Linear(32, 8), GpuQuantizedLinear(quantized(QType.Q4_0, 8, 32).gpu_rows(torch.device("cpu")), None)
+    assert row_matmul_takes(dense, torch.empty(1, 32)) and not row_matmul_takes(dense, torch.empty(2, 32))
+    assert row_matmul_takes(kept, torch.empty(8, 32)) and not row_matmul_takes(kept, torch.empty(9, 32))
     gpu.use_row_matmul(False)
     try:
         assert not gpu.row_matmul_runs(torch.empty(1, 4))
@@ -339,3 +351,25 @@ def test_every_kernel_runs_at_start_and_a_failing_one_falls_back_to_torch(device
         assert "more detail" not in caplog.text
     finally:
         gpu.ready.cache_clear()
+
+
+def test_a_gguf_for_a_gpu_stays_quantized_where_the_kernels_run_and_gets_dense_copies_within_a_budget(
+        tmp_path: Path, monkeypatch, caplog) -> None:
+    """On CUDA (its decisions here, its layout on the CPU's tensors): quantized where the GPU kernels run, not for a
+    mixture of experts; without a budget no dense copies, with one every matrix has its copy."""
+    config = load_model(str(write_tiny_gguf(tmp_path / "f.gguf")), device="cpu").config
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(gpu, "serves", lambda device: True)
+    assert loader._keeps_quantized(cuda, config)
+    assert not loader._keeps_quantized(cuda, dataclasses.replace(config, num_experts=4, num_experts_per_tok=2))
+    monkeypatch.setattr(gpu, "serves", lambda device: False)
+    assert not loader._keeps_quantized(cuda, config)
+    monkeypatch.setattr(llama_module, "on_device", lambda weight, device: weight.gpu_rows(device))
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0)
+    for budget, copies in ((0, False), (2**30, True)):
+        with caplog.at_level(logging.INFO):
+            loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=budget, prepack=False)
+        layers = [m for m in loaded.model.modules() if isinstance(m, GpuQuantizedLinear)]
+        assert layers and all((m.dense is not None) == copies for m in layers)
+        assert ("longer ones dequantize each matrix" in caplog.text) != copies
+        caplog.clear()
