@@ -184,35 +184,43 @@ def rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, sl
     tl.store(dst + half + i, r2.to(q_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
-def weight_tile(w_ptr, scales_ptr, mins_ptr, n, k, mask, stride_w, stride_s, BITS: tl.constexpr, SUB: tl.constexpr,
-                ZERO: tl.constexpr, HAS_MINS: tl.constexpr):
-    """Weights [n, k] in fp32, for row indices n [BLOCK_N, 1] and columns k [1, BLOCK_K]. BITS 0: a dense matrix.
-    Else a quantized one as gpu.QuantizedRows lays it out: per row, its blocks of 32 weights one after another, each
-    16 bytes of nibbles (weight j in the low nibble of byte j, 16 + j in the high one) then, for 5 bits, 4 bytes of
-    fifth bits (weight 4c + i in bit 2c of byte i, 16 + 4c + i in bit 2c + 1) or, for 6 bits, 8 bytes of top two
-    bits (weights 4c + i in bits 2c, 2c + 1 of byte i, and 16 + 4c + i of byte 4 + i); 8 bits: one signed byte a
-    weight. A weight is (q - ZERO) * scale (+ min), with a scale (and min) per SUB weights."""
-    rows = n.to(tl.int64)
+def weight_tile(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols, stride_w, stride_s, BITS: tl.constexpr,
+                SUB: tl.constexpr, ZERO: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """Weights [BLOCK_N, BLOCK_K] in fp32: rows n [BLOCK_N] (where n_mask), columns k0.. (below cols). BITS 0: a dense
+    matrix. Else a quantized one as gpu.QuantizedRows lays it out: per row, its blocks of 32 weights one after
+    another, each 16 bytes of nibbles (weight i in the low nibble of byte i, 16 + i in the high one) then, for 5 bits,
+    4 bytes of fifth bits (weight 4c + j in bit 2c of byte j, 16 + 4c + j in bit 2c + 1) or, for 6 bits, 8 bytes of
+    top two bits (weights 4c + j in bits 2c, 2c + 1 of byte j, and 16 + 4c + j of byte 4 + j); 8 bits: one signed
+    byte a weight. A weight is (q - ZERO) * scale (+ min), a scale (and min) per SUB weights. Quantized tiles are
+    whole blocks (k0 and BLOCK_K multiples of 32, as cols is), built as [rows, blocks, halves, 16]: a block's bytes
+    and each half's scale are loaded once, not once a weight."""
     if BITS == 0:
-        w = tl.load(w_ptr + rows * stride_w + k, mask=mask, other=0.0).to(tl.float32)
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=n_mask[:, None] & (k < cols)[None, :], other=0.0).to(tl.float32)
     else:
+        rows = n.to(tl.int64)[:, None, None, None]
+        first = (k0 + 32 * tl.arange(0, BLOCK_K // 32))[None, :, None, None]  # each block's first column
+        half = tl.arange(0, 2)[None, None, :, None]
+        i = tl.arange(0, 16)[None, None, None, :]
+        mask = n_mask[:, None, None, None] & (first < cols)
         if BITS == 8:
-            q = tl.load(w_ptr + rows * stride_w + k, mask=mask, other=0).to(tl.int32)
+            q = tl.load(w_ptr + rows * stride_w + first + 16 * half + i, mask=mask, other=0).to(tl.int32)
         else:
-            block = rows * stride_w + (k // 32) * (4 * BITS)
-            half = (k % 32) // 16
-            i = k % 16
-            q = (tl.load(w_ptr + block + i, mask=mask, other=0).to(tl.int32) >> (4 * half)) & 15
+            block = w_ptr + rows * stride_w + first // 32 * (4 * BITS)
+            q = (tl.load(block + i, mask=mask, other=0).to(tl.int32) >> (4 * half)) & 15
             if BITS == 5:
-                high = tl.load(w_ptr + block + 16 + i % 4, mask=mask, other=0).to(tl.int32)
+                high = tl.load(block + 16 + i % 4, mask=mask, other=0).to(tl.int32)
                 q |= ((high >> (2 * (i // 4) + half)) & 1) << 4
             if BITS == 6:
-                high = tl.load(w_ptr + block + 16 + 4 * half + i % 4, mask=mask, other=0).to(tl.int32)
+                high = tl.load(block + 16 + 4 * half + i % 4, mask=mask, other=0).to(tl.int32)
                 q |= ((high >> (2 * (i // 4))) & 3) << 4
-        scale = rows * stride_s + k // SUB
+        scale = rows * stride_s + (first + 16 * half) // SUB
         w = (q - ZERO).to(tl.float32) * tl.load(scales_ptr + scale, mask=mask, other=0.0).to(tl.float32)
         if HAS_MINS:
             w += tl.load(mins_ptr + scale, mask=mask, other=0.0).to(tl.float32)
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
     return w
 
 @triton.jit
@@ -225,9 +233,9 @@ def dequantize(w_ptr, scales_ptr, mins_ptr, index_ptr, out_ptr, n_rows, cols, st
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     r_mask = r < n_rows
     source = tl.load(index_ptr + r, mask=r_mask, other=0) if HAS_INDEX else r
+    w = weight_tile(w_ptr, scales_ptr, mins_ptr, source, r_mask, tl.program_id(1) * BLOCK_K, cols, stride_w,
+                    stride_s, BITS, SUB, ZERO, HAS_MINS, BLOCK_N, BLOCK_K)
     mask = r_mask[:, None] & (k < cols)[None, :]
-    w = weight_tile(w_ptr, scales_ptr, mins_ptr, source[:, None], k[None, :], mask, stride_w, stride_s, BITS, SUB,
-                    ZERO, HAS_MINS)
     tl.store(out_ptr + r[:, None].to(tl.int64) * stride_o + k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
@@ -266,8 +274,8 @@ def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, scales_ptr, mins_ptr, bias_
     for k0 in range(0, cols, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < cols
-        w = weight_tile(w_ptr, scales_ptr, mins_ptr, n[:, None], k[None, :], n_mask[:, None] & k_mask[None, :],
-                        stride_w, stride_s, BITS, SUB, ZERO, HAS_MINS)
+        w = weight_tile(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols, stride_w, stride_s, BITS, SUB, ZERO,
+                        HAS_MINS, BLOCK_N, BLOCK_K)
         mask = m_mask[:, None] & k_mask[None, :]
         a = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
         if PROLOGUE == 2:
