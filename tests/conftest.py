@@ -37,6 +37,13 @@ def smollm(smollm_path: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def smollm_served(smollm_path: Path) -> LoadedModel:
+    """The default model as `tokenmill serve` loads it (its Q4_1 weights kept quantized, run by the C++ kernels), in
+    fp32 on every CPU: what the end-to-end tests serve."""
+    return load_model(str(smollm_path), dtype="float32", device=DEVICE)
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
 

@@ -151,17 +151,20 @@ def write_gguf(path: Path, architecture: str, metadata: dict[str, Any], tensors:
     return path
 
 
+_READERS: dict[tuple[str, str], Any] = {}  # gguf_read_once's, kept for the session: read-only maps of the files
+
+
 @contextlib.contextmanager
 def gguf_read_once() -> Iterator[None]:
     """transformers reads a GGUF's metadata twice in one from_pretrained (for the config, then for the weights), and
-    gguf-py's reader takes ~12 s over Gemma 3's 262,144-token vocabulary; inside this block each file is read once."""
+    gguf-py's reader takes ~12 s over Gemma 3's 262,144-token vocabulary; inside these blocks each file is read once
+    a test session (the model's test and the tokenizer's share Gemma 3's)."""
     original = gguf.GGUFReader
-    readers: dict[tuple[str, str], Any] = {}
 
     def reader(path: str, mode: str = "r") -> Any:
-        if (str(path), mode) not in readers:
-            readers[str(path), mode] = original(path, mode)
-        return readers[str(path), mode]
+        if (str(path), mode) not in _READERS:
+            _READERS[str(path), mode] = original(path, mode)
+        return _READERS[str(path), mode]
 
     gguf.GGUFReader = reader  # type: ignore[misc,assignment]
     try:

@@ -204,8 +204,8 @@ def test_the_dashboard_moves_under_load_and_settles(page: Page, errors: list[str
     assert errors == []
 
 
-def test_pages_ask_for_the_api_key(browser: Browser, smollm: LoadedModel) -> None:
-    with ServerThread(smollm, "smollm2-135m", ServerConfig(api_key=("sesame",))) as srv:
+def test_pages_ask_for_the_api_key(browser: Browser, smollm_served: LoadedModel) -> None:
+    with ServerThread(smollm_served, "smollm2-135m", ServerConfig(api_key=("sesame",))) as srv:
         context = browser.new_context(viewport=VIEWPORT)
         page = context.new_page()
         page.goto(srv.root_url + "/dashboard")

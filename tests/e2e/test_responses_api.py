@@ -65,14 +65,14 @@ def test_streamed_events_come_in_order_and_add_up_to_the_response(client: openai
     assert_no_live_blocks(server.engine)
 
 
-def test_a_conversation_continues_from_its_stored_response_across_a_restart(smollm: LoadedModel,
+def test_a_conversation_continues_from_its_stored_response_across_a_restart(smollm_served: LoadedModel,
                                                                            tmp_path: Path) -> None:
     config = ServerConfig(responses_store=str(tmp_path / "responses.sqlite3"))
-    with ServerThread(smollm, MODEL, config, max_num_seqs=4) as first:
+    with ServerThread(smollm_served, MODEL, config, max_num_seqs=4) as first:
         client = openai_client(first)
         one = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=8, temperature=0)
         unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
-    with ServerThread(smollm, MODEL, config, max_num_seqs=4) as second:
+    with ServerThread(smollm_served, MODEL, config, max_num_seqs=4) as second:
         client = openai_client(second)
         assert client.responses.retrieve(one.id).output_text == one.output_text
         two = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=one.id,
