@@ -272,6 +272,19 @@ def test_the_tiles_compute_the_bf16_product(qtype: QType, rows: int, out: int) -
 
 
 @needs_tiles
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q6_K, QType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize(("rows", "out"), [(17, 40), (70, 48)])
+def test_bf16_rows_on_the_tiles_give_the_fp32_rows_result_rounded(qtype: QType, rows: int, out: int) -> None:
+    """A bf16 model's rows go to the tiles as they are and come back as bf16 (no conversion to fp32 and back): the
+    same bits as the fp32 path's result rounded, partial tiles and groups included."""
+    weight = quantized_weight(random_blocks(qtype, out, 512, seed=rows), qtype)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = quantized_linear(x, weight, 1)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, quantized_linear(x.float(), weight, 1).bfloat16())
+
+
+@needs_tiles
 def test_steps_of_tiles_from_rows_rows_or_more_take_the_tiles() -> None:
     weight = quantized_weight(random_blocks(QType.Q4_0, 32, 256), QType.Q4_0)
     for rows, expected_from in ((23, 0), (24, 1), (30, 1)):

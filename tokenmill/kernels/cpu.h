@@ -184,9 +184,11 @@ QuantizedMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& sc
 void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out, int64_t tiles_from_rows = 0);
 
 // tiles.cpp: whether this build and process can run AMX tiles (the CPU has them, the kernel grants their state);
-// the matmul above on them, weights and activations rounded to bf16, fp32 sums.
+// the matmul above on them, weights and activations rounded to bf16, fp32 sums; x and out fp32, or both bf16 (a bf16
+// model's rows, neither converted to fp32 and back).
 bool tiles_available();
-void tile_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out);
+template <typename T>
+void tile_matmul(const T* x, int64_t rows, const QuantizedMatrix& w, T* out);
 
 // norm.cpp: out = rms_norm(x) * weight per row; with residual, x += residual first and the sum is normed.
 void rms_norm_rows(float* x, const float* residual, const float* weight, float* out, int64_t rows, int64_t dim,

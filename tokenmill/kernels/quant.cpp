@@ -339,6 +339,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   const QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, out_features);
   TORCH_CHECK(x.size(1) == w.in, "x has ", x.size(1), " features, the weight ", w.in);
+  if (x.scalar_type() == at::kBFloat16 && tiles_from_rows > 0 && x.size(0) >= tiles_from_rows &&
+      tokenmill::tiles_available()) {  // the tiles take bf16 rows as they are and give bf16 sums
+    const at::Tensor xb = x.contiguous();
+    at::Tensor out = at::empty({x.size(0), w.out}, x.options());
+    tokenmill::tile_matmul(xb.data_ptr<at::BFloat16>(), x.size(0), w, out.data_ptr<at::BFloat16>());
+    return out;
+  }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
   tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>(), tiles_from_rows);

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu.h"
@@ -132,10 +133,17 @@ void dequantize_block(const tokenmill::QuantizedMatrix& w, int64_t g, int64_t b,
   }
 }
 
-// x [rows, in] fp32 -> bf16 A tiles [padded / 16][in / 32][16 rows][32], each block of 32 in the B tiles' pair
-// order; padding rows zero. Tile by tile rather than row by row: 16 rows a whole row apart would share one set of
-// the L1 cache (in * 2 bytes is a multiple of 4 KiB for most models) and evict each other.
-at::Tensor activation_tiles(const float* x, int64_t rows, int64_t padded, int64_t in) {
+// A block of 32 activations as bf16 words, in order: fp32 rounded (to nearest even), bf16 as it is.
+inline __m512i bf16_words(const float* src) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+}
+inline __m512i bf16_words(const at::BFloat16* src) { return _mm512_loadu_si512(src); }
+
+// x [rows, in] fp32 or bf16 -> bf16 A tiles [padded / 16][in / 32][16 rows][32], each block of 32 in the B tiles'
+// pair order; padding rows zero. Tile by tile rather than row by row: 16 rows a whole row apart would share one set
+// of the L1 cache (in * 2 bytes is a multiple of 4 KiB for most models) and evict each other.
+template <typename T>
+at::Tensor activation_tiles(const T* x, int64_t rows, int64_t padded, int64_t in) {
   alignas(64) int16_t order[32];
   for (int r = 0; r < 16; ++r) order[2 * r] = first_of_pair(r), order[2 * r + 1] = first_of_pair(r) + 2;
   const __m512i perm = _mm512_load_si512(order);
@@ -150,19 +158,17 @@ at::Tensor activation_tiles(const float* x, int64_t rows, int64_t padded, int64_
           _mm512_storeu_si512(dst, _mm512_setzero_si512());
           continue;
         }
-        const float* src = x + r * in + b * kBlock;
-        const __m512i words = reinterpret_cast<__m512i>(
-            _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
-        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(perm, words));
+        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(perm, bf16_words(x + r * in + b * kBlock)));
       }
   });
   return tiles;
 }
 
-// out's columns of groups g0..g0+N-1 (N: 1 or 2), every activation row: tiles(b) gives block b's N B tiles.
-template <int N, typename Tiles>
+// out's columns of groups g0..g0+N-1 (N: 1 or 2), every activation row: tiles(b) gives block b's N B tiles. out:
+// fp32, or bf16 (each sum rounded to nearest even, as torch's conversion of the fp32 result would).
+template <int N, typename Tiles, typename T>
 void panel_product(const uint16_t* a, int64_t padded, int64_t blocks, Tiles tiles, int64_t g0,
-                   const tokenmill::QuantizedMatrix& w, int64_t rows, float* out) {
+                   const tokenmill::QuantizedMatrix& w, int64_t rows, T* out) {
   alignas(64) float partial[kTile * kLanes];
   for (int64_t m0 = 0; m0 < padded; m0 += 2 * kTile) {
     const bool two = m0 + kTile < padded;
@@ -187,18 +193,26 @@ void panel_product(const uint16_t* a, int64_t padded, int64_t blocks, Tiles tile
         if constexpr (N == 2) _tile_dpbf16ps(3, 5, 7);
       }
     }
-    // C tiles to out: straight where all 16 x 16 are out's, else through `partial`.
+    // C tiles to out: fp32 straight where all 16 x 16 are out's, else (and bf16 always) through `partial`.
     const auto put = [&](int64_t m, int64_t n, auto store) {
       const int64_t r0 = m0 + m * kTile, col = (g0 + n) * kLanes;
       const int64_t valid_rows = std::min(kTile, rows - r0), valid_cols = std::min(kLanes, w.out - col);
       if (valid_rows <= 0) return;
-      if (valid_rows == kTile && valid_cols == kLanes) {
-        store(out + r0 * w.out + col, w.out * 4);
-        return;
+      if constexpr (std::is_same_v<T, float>) {
+        if (valid_rows == kTile && valid_cols == kLanes) {
+          store(out + r0 * w.out + col, w.out * 4);
+          return;
+        }
       }
       store(partial, kLanes * 4);
-      for (int64_t r = 0; r < valid_rows; ++r)
-        std::memcpy(out + (r0 + r) * w.out + col, partial + r * kLanes, valid_cols * sizeof(float));
+      for (int64_t r = 0; r < valid_rows; ++r) {
+        if constexpr (std::is_same_v<T, float>) {
+          std::memcpy(out + (r0 + r) * w.out + col, partial + r * kLanes, valid_cols * sizeof(float));
+        } else {
+          const __m256i words = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(partial + r * kLanes)));
+          _mm256_mask_storeu_epi16(out + (r0 + r) * w.out + col, (1u << valid_cols) - 1, words);
+        }
+      }
     };
     put(0, 0, [](float* p, int64_t s) { _tile_stored(0, p, s); });
     if constexpr (N == 2) put(0, 1, [](float* p, int64_t s) { _tile_stored(1, p, s); });
@@ -209,8 +223,8 @@ void panel_product(const uint16_t* a, int64_t padded, int64_t blocks, Tiles tile
   }
 }
 
-template <int BITS, int SUB, typename S>
-void tile_matmul_typed(const float* x, int64_t rows, const tokenmill::QuantizedMatrix& w, float* out) {
+template <int BITS, int SUB, typename S, typename T>
+void tile_matmul_typed(const T* x, int64_t rows, const tokenmill::QuantizedMatrix& w, T* out) {
   const int64_t padded = (rows + kTile - 1) / kTile * kTile, blocks = w.in / kBlock;
   const int64_t groups = (w.out + kLanes - 1) / kLanes, panels = (groups + 1) / 2;
   // At most 32 rows, one pass over the blocks: each is dequantized just before its products, so the vector unit
@@ -262,7 +276,8 @@ bool tokenmill::tiles_available() {
 #endif
 }
 
-void tokenmill::tile_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out) {
+template <typename T>
+void tokenmill::tile_matmul(const T* x, int64_t rows, const QuantizedMatrix& w, T* out) {
 #if defined(TOKENMILL_AMX)
   TORCH_CHECK(tiles_available(), "AMX tiles are unavailable here");
   tokenmill::with_layout(w, [&](auto bits, auto sub, auto s) {
@@ -273,3 +288,6 @@ void tokenmill::tile_matmul(const float* x, int64_t rows, const QuantizedMatrix&
   TORCH_CHECK(false, "the kernels were built without AMX tiles");
 #endif
 }
+
+template void tokenmill::tile_matmul(const float*, int64_t, const QuantizedMatrix&, float*);
+template void tokenmill::tile_matmul(const at::BFloat16*, int64_t, const QuantizedMatrix&, at::BFloat16*);
