@@ -335,6 +335,25 @@ def add_and_abort(engine: Engine, prompts: list[list[int]], params: SamplingPara
         assert done.acquire(timeout=120)
 
 
+def count_gpu_kernels(monkeypatch: Any) -> list[str]:
+    """Every op that takes a GPU kernel on CUDA takes it here (Triton's interpreter on the CPU's tensors); gives the
+    names of the kernels launched, in order."""
+    from tokenmill.kernels import gpu
+
+    launched: list[str] = []
+    kernels = gpu._kernels()
+
+    class Counting:
+        def __getattr__(self, name: str) -> object:
+            launched.append(name)
+            return getattr(kernels, name)
+
+    monkeypatch.setattr(gpu, "_kernels", Counting)
+    monkeypatch.setattr(gpu, "runs", lambda x: True)
+    monkeypatch.setattr(gpu, "serves", lambda device: True)
+    return launched
+
+
 def start_engine(loaded: LoadedModel, **config) -> Engine:
     engine = Engine(EngineConfig(**config), loaded)
     engine.start()

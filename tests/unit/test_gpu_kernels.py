@@ -17,7 +17,7 @@ from torch import nn
 pytest.importorskip("triton")
 
 from gguf import GGMLQuantizationType as QType  # noqa: E402
-from helpers import random_blocks, write_tiny_gguf  # noqa: E402
+from helpers import count_gpu_kernels, random_blocks, write_tiny_gguf  # noqa: E402
 
 from tokenmill import loader  # noqa: E402
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache  # noqa: E402
@@ -259,16 +259,7 @@ def test_a_quantized_linear_on_the_gpu_runs_few_rows_in_row_matmul_and_more_on_i
         monkeypatch) -> None:
     """Up to 8 rows: row_matmul on the quantized weights; 9: the matrix dequantized for the matmul, or the dense copy
     where there is one (no kernel at all)."""
-    launched: list[str] = []
-    kernels = gpu._kernels()
-
-    class Counting:
-        def __getattr__(self, name: str) -> object:
-            launched.append(name)
-            return getattr(kernels, name)
-
-    monkeypatch.setattr(gpu, "_kernels", Counting)
-    monkeypatch.setattr(gpu, "runs", lambda x: True)
+    launched = count_gpu_kernels(monkeypatch)
     weight = quantized(QType.Q4_K, 24, 256)
     bias = torch.randn(24)
     layer = GpuQuantizedLinear(weight.gpu_rows(torch.device("cpu")), bias)
