@@ -189,6 +189,10 @@ void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, fl
 bool tiles_available();
 template <typename T>
 void tile_matmul(const T* x, int64_t rows, const QuantizedMatrix& w, T* out);
+// Whether a step of `rows` rows runs on the tiles: tiles_from_rows or more (0: never), where there are tiles.
+inline bool takes_tiles(int64_t rows, int64_t tiles_from_rows) {
+  return tiles_from_rows > 0 && rows >= tiles_from_rows && tiles_available();
+}
 
 // norm.cpp: out = rms_norm(x) * weight per row; with residual, x += residual first and the sum is normed.
 void rms_norm_rows(float* x, const float* residual, const float* weight, float* out, int64_t rows, int64_t dim,

@@ -339,8 +339,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   const QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, out_features);
   TORCH_CHECK(x.size(1) == w.in, "x has ", x.size(1), " features, the weight ", w.in);
-  if (x.scalar_type() == at::kBFloat16 && tiles_from_rows > 0 && x.size(0) >= tiles_from_rows &&
-      tokenmill::tiles_available()) {  // the tiles take bf16 rows as they are and give bf16 sums
+  if (x.scalar_type() == at::kBFloat16 && tokenmill::takes_tiles(x.size(0), tiles_from_rows)) {
+    // the tiles take bf16 rows as they are and give bf16 sums
     const at::Tensor xb = x.contiguous();
     at::Tensor out = at::empty({x.size(0), w.out}, x.options());
     tokenmill::tile_matmul(xb.data_ptr<at::BFloat16>(), x.size(0), w, out.data_ptr<at::BFloat16>());
@@ -428,7 +428,7 @@ QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at:
 
 void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out,
                                  int64_t tiles_from_rows) {
-  if (tiles_from_rows > 0 && rows >= tiles_from_rows && tiles_available()) {
+  if (takes_tiles(rows, tiles_from_rows)) {
     tile_matmul(x, rows, w, out);
     return;
   }
