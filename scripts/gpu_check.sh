@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The CUDA path's checks and measurements in one run on a GPU machine (issue 20; about 6-7 minutes on an H100):
+# The CUDA path's checks and measurements in one run on a GPU machine (issue 20; about 7 minutes on an H200):
 #   bash scripts/gpu_check.sh [OUT_DIR]        from the checkout's root, after scripts/gpu_kit.sh (on a machine with
 #                                              PyPI) made .whl/ and .gpu/, carried along with the checkout
 # 1. the GPU kernels' tests, tests/gpu (bf16 fidelity against transformers, graphs against op-by-op steps, greedy
-#    alone against a batch of 32, prefix cache, chunks, preemption, aborts) and the random-model fidelity tests, on
-#    CUDA; 2. synthetic Llama GGUFs of random weights with SmolLM2's tokenizer, in F16 and in Q4_1 (SmolLM2's own
-#    file's types: Q4_1, the embeddings Q8_0): the default model's shape (135M) and TinyLlama's (1.1B); 3. bf16
-#    decode tok/s at 1, 32 and 256 streams and prefill tok/s (tokenmill.bench.decode): the F16 135M with and without
-#    CUDA graphs, each with and without the row_matmul kernel (--no-gpu-row-matmul), and a profile of one-stream
-#    decode steps each way; the F16 1.1B with graphs, row_matmul on and off; the Q4_1 files with graphs, kept
-#    quantized and dequantized at load (--no-quantized-weights), with a profile of the 135M's steps each way;
+#    alone against a batch of 32, PDL against plain launches, prefix cache, chunks, preemption, aborts, quantized
+#    weights against their dense twins) and the random-model fidelity tests, on CUDA; 2. synthetic Llama GGUFs of
+#    random weights with SmolLM2's tokenizer, in F16 and in Q4_1 (SmolLM2's own file's types: Q4_1, the embeddings
+#    Q8_0): the default model's shape (135M) and TinyLlama's (1.1B); 3. bf16 decode tok/s at 1, 32 and 256 streams
+#    and prefill tok/s (tokenmill.bench.decode), all with CUDA graphs: the Q4_1 135M kept quantized and dequantized
+#    at load (--no-quantized-weights), each with programmatic dependent launch and without (--no-gpu-pdl), with a
+#    profile of one-stream decode steps each way; the F16 135M with PDL and without, profiled; the F16 1.1B with the
+#    row_matmul kernel and without (--no-gpu-row-matmul); the Q4_1 1.1B kept quantized and dequantized;
 #    4. where scripts/gpu_kit_llama.sh built .gpu/llama-batched-bench.xz, llama.cpp's CUDA build on the Q4_1 GGUFs:
 #    128 tokens after a 16-token prompt (about the bench's) at 1, 32 and 256 sequences, and 8 prompts of 1,000
 #    tokens.
@@ -57,9 +58,9 @@ bench() {  # MODEL OUTPUT [FLAGS...]
   timeout 240 python3 -m tokenmill.bench.decode "$model" --device cuda --dtype bfloat16 --streams 1 32 256 \
     --prefill --runs 3 --tokens 128 "$@" 2>&1 | grep -v -E "^(INFO|WARNING):" | tee "$out/$file"
 }
-bench /tmp/models/smollm2-shape.gguf bench-135m.txt --graphs both --row-matmul both --profile
+bench /tmp/models/smollm2-shape-q4_1.gguf bench-135m-q4_1.txt --quantized both --pdl both --profile
+bench /tmp/models/smollm2-shape.gguf bench-135m.txt --pdl both --profile
 bench /tmp/models/tinyllama-shape.gguf bench-1b.txt --row-matmul both
-bench /tmp/models/smollm2-shape-q4_1.gguf bench-135m-q4_1.txt --quantized both --profile
 bench /tmp/models/tinyllama-shape-q4_1.gguf bench-1b-q4_1.txt --quantized both
 if [ -f .gpu/llama-batched-bench.xz ]; then
   llama=/tmp/llama-batched-bench

@@ -354,6 +354,14 @@ def count_gpu_kernels(monkeypatch: Any) -> list[str]:
     return launched
 
 
+def without_pdl_waits(monkeypatch: Any) -> None:
+    """The kernels' waits of programmatic dependent launch (triton_kernels.wait_for_inputs) as no-ops: Triton's
+    interpreter, which runs a kernel's code as Python, has no griddepcontrol, and ends each launch before the next."""
+    from tokenmill.kernels import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "wait_for_inputs", lambda PDL: None)
+
+
 def start_engine(loaded: LoadedModel, **config) -> Engine:
     engine = Engine(EngineConfig(**config), loaded)
     engine.start()

@@ -68,6 +68,10 @@ class EngineConfig:
     gpu_row_matmul: bool = option(True, "on CUDA, a one-sequence decode step's projections run as one Triton "
                                         "kernel each, with the norm or SwiGLU before them fused in (off: cuBLAS, "
                                         "and a kernel each for the norms and SwiGLU)")
+    gpu_pdl: bool = option(True, "on a CUDA GPU of sm_90 or newer (H100, H200, Blackwell), tokenmill's Triton "
+                                 "kernels launch with programmatic dependent launch: each starts while the one "
+                                 "before it finishes, the projections reading their weights meanwhile (off: each "
+                                 "starts when the one before has ended)")
     speculative: str | None = option(None, "speculative decoding: ngram (prompt lookup: the tokens that followed "
                                            "the latest earlier occurrence of the sequence's last n-gram are proposed "
                                            "and checked in the next step, lossless) or suffix (the same, then "

@@ -1,6 +1,6 @@
 """The CUDA path on a GPU: bf16 fidelity against transformers, CUDA graphs against op-by-op steps, greedy alone
-against a batch of 32, the engine's prefix cache, chunked prefill, preemption and aborts with graphs on, and GGUF
-weights kept quantized against their dense twins.
+against a batch of 32, programmatic dependent launch against plain launches, the engine's prefix cache, chunked
+prefill, preemption and aborts with graphs on, and GGUF weights kept quantized against their dense twins.
 Skipped without a GPU (CI has none): scripts/gpu_check.sh runs it, with the GPU kernels' tests, where there is one.
 Run with -s for the measured numbers."""
 
@@ -23,6 +23,7 @@ from helpers import (
 )
 
 from tokenmill.engine.engine import Engine
+from tokenmill.kernels import gpu
 from tokenmill.layers.quantized import GpuQuantizedLinear
 from tokenmill.loader import LoadedModel, load_model, weight_bytes
 from tokenmill.sampling import SamplingParams
@@ -153,6 +154,25 @@ def test_graphs_give_the_tokens_of_op_by_op_steps(fp32: LoadedModel) -> None:
         try:
             assert (engine.runner.graphs is None) == eager
             outs.append(generate(engine, ids, [greedy(40)] * 8))
+        finally:
+            engine.stop()
+    assert outs[0] == outs[1]
+
+
+def test_programmatic_dependent_launch_runs_on_sm_90_and_keeps_the_tokens(fp32: LoadedModel) -> None:
+    """On sm_90 and newer gpu.pdl_ready's probe passes (else its log line says why), and with PDL and without, the
+    same greedy tokens through the graphs: one stream (one-row steps, all Triton kernels, row_matmul's weights
+    loaded before its wait) and four (cuBLAS between the Triton kernels)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    assert gpu.pdl_ready(torch.device("cuda", torch.cuda.current_device()))
+    ids = prompts(4, 20, seed=6)
+    outs = []
+    for pdl in (False, True):
+        engine = start_engine(fp32, max_num_seqs=4, gpu_pdl=pdl)
+        try:
+            assert engine.runner.graphs is not None
+            outs.append([generate(engine, ids[:1], [greedy(40)]), generate(engine, ids, [greedy(40)] * 4)])
         finally:
             engine.stop()
     assert outs[0] == outs[1]

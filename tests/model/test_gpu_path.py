@@ -18,6 +18,7 @@ from helpers import (
     generate,
     save_two_layer_gemma3,
     start_engine,
+    without_pdl_waits,
     write_tiny_gguf,
 )
 
@@ -44,12 +45,12 @@ def load(path: Path) -> LoadedModel:
     return load_model(str(path), dtype="float32", device="cpu", quantized=False, fused_decode=False, prepack=False)
 
 
-def run(loaded: LoadedModel, graphs: bool = False, row_matmul: bool = True) -> list[list[int]]:
+def run(loaded: LoadedModel, graphs: bool = False, row_matmul: bool = True, pdl: bool = True) -> list[list[int]]:
     """PROMPTS' tokens: 16-token steps, so prompts are chunked and share steps with decodes; the last two prompts
     arrive after the first two finished, so they start from the cached prefix; each pair's longer answer ends in
     steps of its one row."""
     engine = start_engine(loaded, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=0,
-                          gpu_row_matmul=row_matmul)
+                          gpu_row_matmul=row_matmul, gpu_pdl=pdl)
     if graphs:  # the static-buffer step CUDA graphs replay, run eagerly
         engine.runner.graphs = DecodeGraphs(loaded.model, engine.kv_cache, 4, engine.max_model_len, capture=False)
     try:
@@ -89,14 +90,28 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 EVERY_KERNEL = {"decode_attention", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv"}
 
 
-@pytest.mark.parametrize("row_matmul", [True, False])
+@pytest.mark.parametrize(("row_matmul", "pdl"), [(True, True), (False, False)])
 def test_llama_steps_and_the_decode_graphs_static_step_through_the_gpu_kernels(llama, llama_tokens, on_triton,
-                                                                              row_matmul: bool) -> None:
+                                                                              monkeypatch, row_matmul: bool,
+                                                                              pdl: bool) -> None:
     """Decode steps in the graphs' static buffers, whose tables are as wide as the context (512 keys): split keys
     and their combine; prompt chunks, mixed steps and prefix hits op by op; one-row steps through row_matmul
-    (the norms and SwiGLU fused in), where it is on."""
-    assert run(llama, graphs=True, row_matmul=row_matmul) == llama_tokens
+    (the norms and SwiGLU fused in), where it is on. Where gpu.pdl_ready's probe passed, every kernel launches
+    with programmatic dependent launch unless --no-gpu-pdl, row_matmul loading its first weights before its wait
+    (a no-op here: the interpreter has no griddepcontrol); the tokens stay the plain launches' (llama_tokens)."""
+    monkeypatch.setattr(gpu, "pdl_ready", lambda device: True)
+    without_pdl_waits(monkeypatch)
+    launches: list[bool] = []
+    options = gpu._launch
+
+    def recorded(device):
+        launches.append(options(device)["launch_pdl"])
+        return options(device)
+
+    monkeypatch.setattr(gpu, "_launch", recorded)
+    assert run(llama, graphs=True, row_matmul=row_matmul, pdl=pdl) == llama_tokens
     assert set(on_triton) == EVERY_KERNEL | {"combine_splits"} | ({"row_matmul"} if row_matmul else set())
+    assert len(launches) == len(on_triton) and set(launches) == {pdl}
 
 
 def test_gemma3_sliding_windows_through_the_gpu_kernels(gemma, monkeypatch) -> None:

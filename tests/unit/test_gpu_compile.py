@@ -42,26 +42,32 @@ def _ptxas() -> Path | None:
 
 
 DTYPES = ("bfloat16", "float32")
+PDL = "bfloat16, launched with PDL"
+# (model, kernel, shared memory in bytes, the build's hash, and in its PTX: -1 without PDL's wait and launch of the
+# next kernel, else the global loads before the wait)
+Build = tuple[str, str, int, str, int]
 
 
 @pytest.fixture(scope="module")
-def builds() -> dict[str, list[tuple[str, str, int, str]]]:
-    """Each dtype's builds for sm_90 (H100, H200), the two child processes side by side."""
+def builds() -> dict[str, list[Build]]:
+    """Each dtype's builds for sm_90 (H100, H200), and bf16's launched with PDL (gpu.pdl_ready): three child
+    processes side by side."""
     if _ptxas() is None:
         pytest.skip("Triton with its CUDA compiler (ptxas) is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    children = {dtype: subprocess.Popen([sys.executable, __file__, "90", dtype], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, env=env) for dtype in DTYPES}
+    args = {"bfloat16": ["bfloat16", "plain"], "float32": ["float32", "plain"], PDL: ["bfloat16", "pdl"]}
+    children = {name: subprocess.Popen([sys.executable, __file__, "90", *arg], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=env) for name, arg in args.items()}
     results = {}
-    for dtype, child in children.items():
+    for name, child in children.items():
         out, err = child.communicate(timeout=300)
         assert child.returncode == 0, err[-3000:]
-        results[dtype] = [tuple(build) for build in json.loads(out.splitlines()[-1])]
-    return results
+        results[name] = [tuple(build) for build in json.loads(out.splitlines()[-1])]
+    return results  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_launch_compiles_for_an_h100(builds: dict[str, list[tuple[str, str, int, str]]], dtype: str) -> None:
+def test_every_launch_compiles_for_an_h100(builds: dict[str, list[Build]], dtype: str) -> None:
     assert {build[0] for build in builds[dtype]} == {*SHAPES, GROWING}
     assert {build[1] for build in builds[dtype]} == {
         "decode_attention", "combine_splits", "prefill_attention", "rms_norm", "silu_mul", "rope_store_kv",
@@ -69,24 +75,44 @@ def test_every_launch_compiles_for_an_h100(builds: dict[str, list[tuple[str, str
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_each_kernel_fits_a_consumer_gpus_shared_memory(builds: dict[str, list[tuple[str, str, int, str]]],
-                                                        dtype: str) -> None:
+def test_each_kernel_fits_a_consumer_gpus_shared_memory(builds: dict[str, list[Build]], dtype: str) -> None:
     too_big = [build for build in builds[dtype] if build[2] > SHARED_LIMIT]
     assert not too_big, f"shared memory past {SHARED_LIMIT} bytes: {too_big}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_growing_context_compiles_no_new_kernels(builds: dict[str, list[tuple[str, str, int, str]]],
-                                                   dtype: str) -> None:
+def test_a_growing_context_compiles_no_new_kernels(builds: dict[str, list[Build]], dtype: str) -> None:
     """Steps op by op (--enforce-eager, prompt chunks) change the tables' width and the key splits as contexts grow:
     as constexprs or specialized ints they compiled 39 decode kernels and 31 combines over 520 keys, a stall each."""
     kernels = {(build[1], build[3]) for build in builds[dtype] if build[0] == GROWING}
     assert len(kernels) <= 3  # decode writing its result, decode writing its splits, and their combine
 
 
-def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int, str]]:
-    """(model, kernel, shared memory in bytes, the build's hash) of each launch gpu.py's functions make for each
-    model's shapes, compiled for sm_<arch>: the launches go to Triton's compiler instead of a GPU."""
+def test_launched_with_pdl_each_kernel_waits_and_only_row_matmul_reads_weights_before(
+        builds: dict[str, list[Build]]) -> None:
+    """With programmatic dependent launch a kernel runs while the one before it finishes: each must wait for its
+    writes before reading (or writing) anything, and let the next kernel start. row_matmul alone reads before the
+    wait, its weights, which no kernel writes: that read is what PDL overlaps with the kernel before. Plain launches
+    carry no wait."""
+    pdl = builds[PDL]
+    assert {build[1] for build in pdl} == {build[1] for build in builds["bfloat16"]}
+    assert all(build[4] >= 0 for build in pdl), [build for build in pdl if build[4] < 0]
+    assert {build[1] for build in pdl if build[4] > 0} == {"row_matmul"}
+    assert all(build[4] > 0 for build in pdl if build[1] == "row_matmul")
+    assert all(build[4] == -1 for build in builds["bfloat16"] + builds["float32"])
+
+
+def _pdl_reads(ptx: str) -> int:
+    """-1 unless the PTX waits for the kernel before and launches the next (griddepcontrol), else the global loads
+    it makes before the wait."""
+    if "griddepcontrol.wait" not in ptx or "griddepcontrol.launch_dependents" not in ptx:
+        return -1
+    return ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
+
+
+def _compile_launches(arch: int, dtype: torch.dtype, pdl: bool) -> list[Build]:
+    """Build (above) of each launch gpu.py's functions make for each model's shapes, compiled for sm_<arch>, with
+    programmatic dependent launch or without: the launches go to Triton's compiler instead of a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -96,7 +122,7 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    builds: list[tuple[str, str, int, str]] = []
+    builds: list[Build] = []
 
     class Compiling:
         """Stands in for the kernels module: `kernel[grid](*args)` compiles the kernel for those arguments, as a
@@ -114,7 +140,7 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
                                                                       options)
                 kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                         options=options.__dict__)
-                builds.append((self.model, name, kernel.metadata.shared, kernel.hash))
+                builds.append((self.model, name, kernel.metadata.shared, kernel.hash, _pdl_reads(kernel.asm["ptx"])))
 
             return type("Launch", (), {"__getitem__": lambda self, grid: launch})()
 
@@ -158,6 +184,8 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
         quantized(qkv.shape[0], hidden, 8, False).dequantize(dtype, ids(5))
         rope = torch.empty(3, 1, dim // 2)
         gpu.rope_store_kv(empty(3, (heads + 2 * kv_heads) * dim), rope, rope, cache, cache, ids(3), heads, kv_heads)
+    if pdl:
+        return builds  # PDL adds no specialisation: the plain builds check a growing context
     compiling.model = GROWING  # steps op by op: tables as wide as the longest context, which grows
     heads, kv_heads, dim = SHAPES["SmolLM2-135M"][:3]
     cache = empty(64, 16, kv_heads, dim)
@@ -168,4 +196,7 @@ def _compile_launches(arch: int, dtype: torch.dtype) -> list[tuple[str, str, int
 
 
 if __name__ == "__main__":
-    print(json.dumps(_compile_launches(int(sys.argv[1]), getattr(torch, sys.argv[2]))))
+    from tokenmill.kernels import gpu
+
+    with gpu._launching(pdl=sys.argv[3] == "pdl"):
+        print(json.dumps(_compile_launches(int(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3] == "pdl")))

@@ -17,7 +17,7 @@ from torch import nn
 pytest.importorskip("triton")
 
 from gguf import GGMLQuantizationType as QType  # noqa: E402
-from helpers import count_gpu_kernels, random_blocks, write_tiny_gguf  # noqa: E402
+from helpers import count_gpu_kernels, random_blocks, without_pdl_waits, write_tiny_gguf  # noqa: E402
 
 from tokenmill import loader  # noqa: E402
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache  # noqa: E402
@@ -230,6 +230,41 @@ def test_row_matmul_multiplies_each_quantized_type(qtype: QType, rows: int, devi
     scale = expected.abs().max()
     torch.testing.assert_close(out.cpu().double() / scale, expected / scale, atol=1e-6, rtol=1e-5)
     assert stream is None
+
+
+@pytest.mark.parametrize(("weight_type", "rows", "cols", "prologue"), [
+    ("dense", 1, 1500, "silu_mul"),  # two passes of 1,024 columns: the second's weights load after the wait
+    ("Q4_1", 3, 320, "add_norm"),  # passes of 256 columns
+    ("Q6_K", 8, 256, "norm"),  # the 6-bit planes; 8 rows: passes of 128
+])
+def test_row_matmul_with_its_first_weights_loaded_before_its_wait_gives_the_same_products(
+        weight_type: str, rows: int, cols: int, prologue: str, device: str, monkeypatch) -> None:
+    """Launched with PDL (gpu.pdl_ready), row_matmul loads its first pass's weights before it waits for the kernel
+    before, and decodes them after: its products and stream are the plain launch's. Triton's interpreter has no
+    griddepcontrol: there the wait is a no-op, and the loads' new order is what runs."""
+    if device == "cpu":
+        without_pdl_waits(monkeypatch)
+    elif not gpu.pdl_ready(torch.device(device)):
+        pytest.skip("programmatic dependent launch does not run on this GPU")
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * cols if prologue == "silu_mul" else cols, generator=generator).to(torch.bfloat16)
+    residual, norm = torch.randn(rows, cols, generator=generator), torch.randn(cols, generator=generator)
+    if weight_type == "dense":
+        weight: torch.Tensor | gpu.QuantizedRows = torch.randn(40, cols, generator=generator).to(torch.bfloat16)
+        weight = weight.to(device)  # type: ignore[union-attr]
+    else:
+        weight = quantized(QType[weight_type], 40, cols, seed=rows).gpu_rows(torch.device(device))
+    fused: dict = {"norm": norm.to(device, torch.bfloat16), "eps": 1e-6} if "norm" in prologue else {}
+    if prologue == "add_norm":
+        fused["residual"] = residual.to(device, torch.bfloat16)
+    results = []
+    for pdl in (False, True):
+        with gpu._launching(pdl=pdl):
+            results.append(gpu.row_matmul(x.to(device), weight, None, prologue, **fused))
+    exact = {} if device == "cuda" else {"atol": 0, "rtol": 0}  # a GPU's compiler may order the sums otherwise
+    torch.testing.assert_close(results[1][0], results[0][0], **exact)
+    if prologue == "add_norm":
+        torch.testing.assert_close(results[1][1], results[0][1], **exact)
 
 
 def test_row_matmul_takes_one_row_of_a_dense_weight_and_up_to_8_of_a_quantized_one(monkeypatch) -> None:

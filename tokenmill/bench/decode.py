@@ -27,6 +27,7 @@ import torch
 from tokenmill.api.engine_client import EngineClient
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
+from tokenmill.kernels import gpu
 from tokenmill.loader import weight_bytes
 from tokenmill.sampling import SamplingParams
 
@@ -169,11 +170,13 @@ def _profile(engine: Engine, prompt_ids: list[int], timed_steps: int = 64, profi
 
 
 def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads: int | None, quantized: bool,
-            streams: list[int], eager: bool, prefill: bool, profile: bool, row_matmul: bool = True) -> dict:
+            streams: list[int], eager: bool, prefill: bool, profile: bool, row_matmul: bool = True,
+            pdl: bool = True) -> dict:
     if threads:
         torch.set_num_threads(threads)
     engine = Engine(EngineConfig(model=model, dtype=dtype, device=device, quantized_weights=quantized,
-                                 max_num_seqs=max(streams), enforce_eager=eager, gpu_row_matmul=row_matmul))
+                                 max_num_seqs=max(streams), enforce_eager=eager, gpu_row_matmul=row_matmul,
+                                 gpu_pdl=pdl))
     engine.start()  # loads the model on the engine thread
     try:
         prompt_ids = engine.tokenizer.encode(PROMPT)
@@ -181,7 +184,8 @@ def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads
         quantized_bytes, dense_bytes = weight_bytes(engine.runner.model)
         result: dict = {"weights": quantized_bytes + dense_bytes, "quantized": quantized_bytes > 0,
                         "graphs": engine.runner.graphs is not None,
-                        "row_matmul": row_matmul and engine.runner.device.type == "cuda"}
+                        "row_matmul": row_matmul and engine.runner.device.type == "cuda",
+                        "pdl": pdl and gpu.pdl_ready(engine.runner.device)}
         for n in streams:
             result[n] = [asyncio.run(_streams(engine, [prompt_ids] * n, tokens)) for _ in range(runs)]
         if prefill:
@@ -214,24 +218,27 @@ def main() -> None:
     parser.add_argument("--quantized", choices=["on", "off", "both"], default="on",
                         help="GGUF weights kept quantized (off: dequantized at load, --no-quantized-weights; both: "
                              "each, in its own process): the A/B of the quantized kernels")
+    parser.add_argument("--pdl", choices=["on", "off", "both"], default="on",
+                        help="CUDA, sm_90 and newer: the Triton kernels launch with programmatic dependent launch "
+                             "(off: --no-gpu-pdl; both: each, in its own process)")
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads")
-    print(f"{'dtype':<10} {'quant':<6} {'graphs':<7} {'row mm':<8} {'streams':>7} {'median tok/s':>12} {'min':>9} "
-          f"{'max':>9} {'weights GB/s':>12}")
+    print(f"{'dtype':<10} {'quant':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} {'streams':>7} {'median tok/s':>12} "
+          f"{'min':>9} {'max':>9} {'weights GB/s':>12}")
     spawn = multiprocessing.get_context("spawn")
     both = {"on": [True], "off": [False], "both": [False, True]}
-    runs = [(d, q, g, r) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
-            for r in both[args.row_matmul]]
-    for dtype, quantized, graphs, row in runs:
+    runs = [(d, q, g, r, p) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
+            for r in both[args.row_matmul] for p in both[args.pdl]]
+    for dtype, quantized, graphs, row, pdl in runs:
         # A fresh process each, so none inherits another's memory, thread pools or graphs.
         with spawn.Pool(1) as pool:
             result = pool.apply(measure, (args.model, dtype, args.device, args.tokens, args.runs,
                                           args.threads, quantized, args.streams, not graphs, args.prefill,
-                                          args.profile, row))
+                                          args.profile, row, pdl))
         mode = (f"{'on' if result['quantized'] else 'off':<6} {'on' if result['graphs'] else 'off':<7} "
-                f"{'on' if result['row_matmul'] else 'off':<8}")
+                f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
         for n in args.streams:
             speeds = result[n]
             read = statistics.median(speeds) / n * result["weights"] / 1e9  # steps a second x bytes a step
@@ -242,7 +249,8 @@ def main() -> None:
             print(f"{dtype:<10} {mode} {'prefill':>7} {statistics.median(speeds):>12.1f} "
                   f"{min(speeds):>9.1f} {max(speeds):>9.1f}")
         if "profile" in result:
-            print(f"profile, {dtype}, quantized, graphs and row matmul {' '.join(mode.split())}:\n{result['profile']}")
+            print(f"profile, {dtype}, quantized, graphs, row matmul and PDL {' '.join(mode.split())}:\n"
+                  f"{result['profile']}")
 
 if __name__ == "__main__":
     main()

@@ -69,6 +69,7 @@ class Engine:
         if c.pooling not in ("last", "mean"):
             raise ConfigError(f"--pooling {c.pooling}: use last or mean")
         gpu.use_row_matmul(c.gpu_row_matmul)
+        gpu.use_pdl(c.gpu_pdl)
         if self.loaded is None:
             if c.threads:
                 torch.set_num_threads(c.threads)

@@ -11,10 +11,12 @@ imported: tests/conftest.py) against plain PyTorch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -58,14 +60,19 @@ def ready(device: torch.device) -> bool:
     if not available():
         return False
     try:
-        for dtype in (torch.float32, torch.bfloat16):
-            if not all(bool(out.isfinite().all()) for out in _each_kernel(device, dtype)):
-                raise RuntimeError(f"a kernel gave non-finite results in {dtype}")
+        with _launching(pdl=False):
+            for dtype in (torch.float32, torch.bfloat16):
+                if not all(bool(out.isfinite().all()) for out in _each_kernel(device, dtype)):
+                    raise RuntimeError(f"a kernel gave non-finite results in {dtype}")
     except Exception as exc:  # a compile or launch error: every cause means the same fallback
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("GPU kernels unavailable on %s (%s): torch's own ops, and no CUDA graphs", device, reason[:300])
+        log.warning("GPU kernels unavailable on %s (%s): torch's own ops, and no CUDA graphs", device, _reason(exc))
         return False
+    pdl_ready(device)  # probed now, before any CUDA graph is captured
     return True
+
+
+def _reason(exc: Exception) -> str:
+    return (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)[:300]
 
 
 def _each_kernel(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -99,6 +106,95 @@ def _each_kernel(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]
 
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
+
+# Programmatic dependent launch (PDL): on a GPU of sm_90 or newer, a kernel launched so starts while the one before
+# it finishes, and waits in itself (triton_kernels.wait_for_inputs) before reading what that one writes. A
+# one-stream decode step is a chain of ~200 short kernels, each of which otherwise starts only when the last has
+# ended; row_matmul reads its weights before its wait, as the kernel before finishes.
+_pdl = [True]  # the A/B switch: EngineConfig.gpu_pdl (Engine._setup)
+_forced_pdl: list[bool | None] = [None]  # set by _launching: the probes, and the compile tests
+
+
+def use_pdl(on: bool) -> None:
+    _pdl[0] = on
+
+
+@contextlib.contextmanager
+def _launching(pdl: bool) -> Iterator[None]:
+    """Launch the kernels with PDL or without, whatever the switch and the device."""
+    _forced_pdl[0] = pdl
+    try:
+        yield
+    finally:
+        _forced_pdl[0] = None
+
+
+def _launch(device: torch.device) -> dict[str, bool]:
+    """Every launch's PDL options: the kernel's constexpr and Triton's launch flag, always together (a kernel
+    launched so must wait in itself)."""
+    on = _forced_pdl[0] if _forced_pdl[0] is not None else _pdl[0] and pdl_ready(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@functools.cache
+def pdl_ready(device: torch.device) -> bool:
+    """Whether the kernels can launch with PDL here: a CUDA GPU of sm_90 or newer (Hopper's griddepcontrol), on
+    which a chain of them launched so (a decode layer's row_matmul, RoPE with the KV write, attention with its
+    combine, row_matmul), eager and replayed in a CUDA graph on new inputs, gives their plain launches' results;
+    else they launch plainly, and one log line says why. Called by ready(), so before any graph is captured."""
+    if _INTERPRETING or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    try:
+        chain, x = _decode_chain(device)
+        inputs = [torch.randn_like(x) for _ in range(3)]
+        with _launching(pdl=False):
+            expected = [chain(i) for i in inputs]
+        with _launching(pdl=True):
+            eager = chain(inputs[0])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = chain(x)
+        results = [eager]
+        for i in inputs[1:]:
+            x.copy_(i)
+            graph.replay()
+            results.append([t.clone() for t in replayed])
+        torch.cuda.synchronize(device)
+        # within a bf16 rounding (a compiler may order sums otherwise); a read before its wait would see the
+        # previous input's values
+        if not all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+                   for want, got in zip(expected, results, strict=True) for a, b in zip(want, got, strict=True)):
+            raise RuntimeError("launched so, the kernels gave other results")
+    except Exception as exc:  # a launch flag this Triton lacks, a failed capture, other results
+        log.warning("programmatic dependent launch unavailable on %s (%s): each kernel starts when the one "
+                    "before has ended", device, _reason(exc))
+        return False
+    return True
+
+
+def _decode_chain(device: torch.device) -> tuple[Callable[[torch.Tensor], list[torch.Tensor]], torch.Tensor]:
+    """pdl_ready's chain: a function of x [1, 64] (bf16) through the kernels of a decode layer (2 heads, 1 KV head
+    of 32, a context of 601 keys, so the keys split), and an x to capture it with."""
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=torch.bfloat16)
+
+    k_cache, v_cache = rand(41, 16, 1, 32), rand(41, 16, 1, 32)
+    tables = torch.arange(1, 41, device=device).view(1, 40)
+    lengths = torch.tensor([601], device=device)
+    slots = tables[:, 600 // 16] * 16 + 600 % 16
+    cos, sin = rand(1, 1, 16).float(), rand(1, 1, 16).float()
+    residual, norm, w_qkv, w_out = rand(1, 64), rand(64), rand(128, 64), rand(64, 32)
+
+    def chain(x: torch.Tensor) -> list[torch.Tensor]:
+        qkv, stream = row_matmul(x, w_qkv, None, "add_norm", norm, 1e-5, residual)
+        q = rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, 2, 1)
+        attention = paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.125)
+        assert stream is not None  # add_norm's
+        return [stream, row_matmul(attention.view(1, 64), w_out, None, "silu_mul")[0]]
+
+    return chain, rand(1, 64)
 
 
 def _pow2(n: int) -> int:
@@ -151,11 +247,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2),
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, IEEE=_ieee(q.dtype))
+        BLOCK_N=block_n, IEEE=_ieee(q.dtype), **_launch(q.device))
     if splits > 1:
         _kernels().combine_splits[(b, heads)](
             part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
-            SPLITS_PAD=MAX_SPLITS, DIM=dim, DIM_PAD=_pow2(dim))
+            SPLITS_PAD=MAX_SPLITS, DIM=dim, DIM_PAD=_pow2(dim), **_launch(q.device))
     return out
 
 
@@ -187,7 +283,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         GROUP=heads // k_cache.shape[2], DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=_key_tile(dim, q.dtype), IEEE=_ieee(q.dtype),
-        num_warps=8 if dim > 128 else 4)  # a wide head's accumulator: 4 warps spilled registers in fp32
+        num_warps=8 if dim > 128 else 4,  # a wide head's accumulator: 4 warps spilled registers in fp32
+        **_launch(q.device))
     return out
 
 
@@ -196,7 +293,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     r = x if residual is None else residual
     _kernels().rms_norm[(x.shape[0],)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), x.shape[1], eps,
-                                       HAS_RESIDUAL=residual is not None, BLOCK=_pow2(x.shape[1]))
+                                       HAS_RESIDUAL=residual is not None, BLOCK=_pow2(x.shape[1]),
+                                       **_launch(x.device))
     return out
 
 
@@ -206,7 +304,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, cols, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(cols))
     _kernels().silu_mul[(tokens, -(-cols // block))](gate_up, out, gate_up.stride(0), out.stride(0), cols,
-                                                     BLOCK=block)
+                                                     BLOCK=block, **_launch(gate_up.device))
     return out
 
 
@@ -220,7 +318,7 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     q = torch.empty(tokens, heads, dim, dtype=qkv.dtype, device=qkv.device)
     _kernels().rope_store_kv[(tokens, heads + kv_heads)](
         qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(1),
-        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_PAD=_pow2(dim // 2))
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_PAD=_pow2(dim // 2), **_launch(qkv.device))
     return q
 
 
@@ -252,7 +350,7 @@ class QuantizedRows:
         _kernels().dequantize[(-(-n // block_n), -(-cols // block_k))](
             self.q, self.scales, self.scales if self.mins is None else self.mins, self.q if rows is None else rows,
             out, n, cols, self.q.stride(0), self.scales.stride(0), out.stride(0), **self.format(),
-            HAS_INDEX=rows is not None, BLOCK_N=block_n, BLOCK_K=block_k)
+            HAS_INDEX=rows is not None, BLOCK_N=block_n, BLOCK_K=block_k, **_launch(self.q.device))
         return out
 
     def format(self) -> dict[str, int | bool]:
@@ -317,5 +415,6 @@ def row_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedRows, bias: torc
         out, x if stream is None else stream, rows, cols, n_out, eps, x.stride(0), r.stride(0),
         0 if stream is None else stream.stride(0), out.stride(0), w.stride(0), scales.stride(0),
         PROLOGUE=_PROLOGUES[prologue], HAS_BIAS=bias is not None, **layout,
-        BLOCK_M=block_m, BLOCK_N=ROW_OUTPUTS, BLOCK_K=min(_pow2(cols), ROW_COLUMNS // block_m), num_warps=4)
+        BLOCK_M=block_m, BLOCK_N=ROW_OUTPUTS, BLOCK_K=min(_pow2(cols), ROW_COLUMNS // block_m), num_warps=4,
+        **_launch(x.device))
     return out, stream

@@ -26,18 +26,29 @@ def online_softmax(q, k, v, sees, scale, m_i, l_i, acc, IEEE: tl.constexpr):
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL, gpu.pdl_ready), a kernel starts while the one before it finishes: wait
+    for that one's writes (and so, each kernel waiting in turn, for every earlier one's) before reading or writing
+    anything a kernel writes, then let the next kernel start. Only weights, which no kernel writes, are read before."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
 @triton.jit(do_not_specialize=["keys_per_split", "splits", "stride_tb"])  # they vary with the step's longest context
 def decode_attention(
         q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, lse_ptr, scale, window, keys_per_split, splits,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """One program: one sequence, one KV head (its GROUP query heads together), one split of the keys. Keys are
     read through the block table, BLOCK_N at a time, with an online softmax. splits > 1 writes each split's
     normalized output and log-sum-exp for combine_splits; splits == 1 writes the result. Neither splits nor the
     table's width is a constexpr or specialized on: a step op by op, whose counts grow with its longest context,
     reuses one compiled kernel (as constexprs, a growing context compiled 39 of them)."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_inputs(PDL)
     length = tl.load(lengths_ptr + b)
     first = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # a sliding layer: the last `window` keys
     start = split * keys_per_split  # keys_per_split is a multiple of BLOCK_N
@@ -72,11 +83,12 @@ def prefill_attention(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, rows_ptr, block_seq_ptr, block_row_ptr, scale,
         window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
         GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_M query rows of one prefill chunk, one query head. The chunk's rows sit at positions
     start.. of its sequence; each sees the keys up to its own position (the last `window` of them on a sliding
     layer), read through the sequence's block table: the cached prefix and the chunk alike."""
     block, head = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(PDL)
     seq = tl.load(block_seq_ptr + block)
     first_row = tl.load(block_row_ptr + block)
     row0 = tl.load(rows_ptr + seq)
@@ -111,10 +123,11 @@ def prefill_attention(
 
 @triton.jit(do_not_specialize=["splits"])
 def combine_splits(part_ptr, lse_ptr, out_ptr, splits, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-                   SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+                   SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, PDL: tl.constexpr):
     """The splits of one sequence's head, weighted by their share of the softmax's mass. SPLITS_PAD: the most
     splits there can be, so every count shares one kernel."""
     b, head, heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    wait_for_inputs(PDL)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
     lse = tl.load(lse_ptr + (b * heads + head) * splits + s, mask=s < splits, other=float("-inf"))
@@ -127,10 +140,11 @@ def combine_splits(part_ptr, lse_ptr, out_ptr, splits, stride_pb, stride_ph, str
 
 @triton.jit
 def rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row. With a residual, x + residual is rounded to x's dtype and written back into x (the residual
     stream, as torch's x = x + residual would hold it), and the norm is of that sum."""
     row = tl.program_id(0)
+    wait_for_inputs(PDL)
     c = tl.arange(0, BLOCK)
     mask = c < cols
     x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0)
@@ -144,9 +158,10 @@ def rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, strid
     tl.store(out_ptr + row * stride_o + c, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
-def silu_mul(x_ptr, out_ptr, stride_x, stride_o, cols, BLOCK: tl.constexpr):
+def silu_mul(x_ptr, out_ptr, stride_x, stride_o, cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """silu(gate) * up of one row's [gate | up], BLOCK columns a program."""
     row, part = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(PDL)
     c = part * BLOCK + tl.arange(0, BLOCK)
     mask = c < cols
     gate = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
@@ -157,10 +172,11 @@ def silu_mul(x_ptr, out_ptr, stride_x, stride_o, cols, BLOCK: tl.constexpr):
 @triton.jit
 def rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_qkv,
                           stride_cos, stride_q, stride_slot, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                          DIM: tl.constexpr, HALF_PAD: tl.constexpr):
+                          DIM: tl.constexpr, HALF_PAD: tl.constexpr, PDL: tl.constexpr):
     """One token's head: a query head is rotated into q; a KV head's key is rotated and its value copied into the
     pool at the token's slot. Rotate-half RoPE in fp32."""
     token, head = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(PDL)
     half = DIM // 2
     i = tl.arange(0, HALF_PAD)
     mask = i < half
@@ -192,46 +208,79 @@ def weight_tile(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols, stride_w, stri
     another, each 16 bytes of nibbles (weight i in the low nibble of byte i, 16 + i in the high one) then, for 5 bits,
     4 bytes of fifth bits (weight 4c + j in bit 2c of byte j, 16 + 4c + j in bit 2c + 1) or, for 6 bits, 8 bytes of
     top two bits (weights 4c + j in bits 2c, 2c + 1 of byte j, and 16 + 4c + j of byte 4 + j); 8 bits: one signed
-    byte a weight. A weight is (q - ZERO) * scale (+ min), a scale (and min) per SUB weights. Quantized tiles are
-    whole blocks (k0 and BLOCK_K multiples of 32, as cols is), built as [rows, blocks, halves, 16]: a block's bytes
-    and each half's scale are loaded once, not once a weight."""
+    byte a weight. A weight is (q - ZERO) * scale (+ min), a scale (and min) per SUB weights."""
+    codes, high, scales, mins = weight_parts(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols, stride_w, stride_s,
+                                             BITS, SUB, HAS_MINS, BLOCK_K)
+    return weight_values(codes, high, scales, mins, BITS, ZERO, HAS_MINS, BLOCK_N, BLOCK_K)
+
+@triton.jit
+def weight_parts(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols, stride_w, stride_s, BITS: tl.constexpr,
+                 SUB: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """weight_tile's loads, as the memory holds them: the dense tile (BITS 0), or a quantized tile's bytes, its 5- or
+    6-bit planes, scales and mins, built as [rows, blocks, halves, 16] so a block's bytes and each half's scale are
+    loaded once, not once a weight (quantized tiles are whole blocks: k0 and BLOCK_K multiples of 32, as cols is).
+    A part the layout lacks is a zero. A quantized tile's parts take fewer registers than its values (row_matmul holds
+    them across its wait); a dense tile is converted to fp32 as it loads (fewer registers so, measured by ptxas)."""
+    none = tl.zeros([1, 1, 1, 1], tl.int8)
     if BITS == 0:
         k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
-                    mask=n_mask[:, None] & (k < cols)[None, :], other=0.0).to(tl.float32)
+        codes = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
+                        mask=n_mask[:, None] & (k < cols)[None, :], other=0.0).to(tl.float32)
+        high, scales, mins = none, none, none
     else:
         rows = n.to(tl.int64)[:, None, None, None]
         first = (k0 + 32 * tl.arange(0, BLOCK_K // 32))[None, :, None, None]  # each block's first column
         half = tl.arange(0, 2)[None, None, :, None]
         i = tl.arange(0, 16)[None, None, None, :]
         mask = n_mask[:, None, None, None] & (first < cols)
+        high = none
         if BITS == 8:
-            q = tl.load(w_ptr + rows * stride_w + first + 16 * half + i, mask=mask, other=0).to(tl.int32)
+            codes = tl.load(w_ptr + rows * stride_w + first + 16 * half + i, mask=mask, other=0)
         else:
             block = w_ptr + rows * stride_w + first // 32 * (4 * BITS)
-            q = (tl.load(block + i, mask=mask, other=0).to(tl.int32) >> (4 * half)) & 15
+            codes = tl.load(block + i, mask=mask, other=0)
             if BITS == 5:
-                high = tl.load(block + 16 + i % 4, mask=mask, other=0).to(tl.int32)
-                q |= ((high >> (2 * (i // 4) + half)) & 1) << 4
+                high = tl.load(block + 16 + i % 4, mask=mask, other=0)
             if BITS == 6:
-                high = tl.load(block + 16 + 4 * half + i % 4, mask=mask, other=0).to(tl.int32)
-                q |= ((high >> (2 * (i // 4))) & 3) << 4
+                high = tl.load(block + 16 + 4 * half + i % 4, mask=mask, other=0)
         scale = rows * stride_s + (first + 16 * half) // SUB
-        w = (q - ZERO).to(tl.float32) * tl.load(scales_ptr + scale, mask=mask, other=0.0).to(tl.float32)
+        scales = tl.load(scales_ptr + scale, mask=mask, other=0.0)
+        mins = tl.load(mins_ptr + scale, mask=mask, other=0.0) if HAS_MINS else none
+    return codes, high, scales, mins
+
+@triton.jit
+def weight_values(codes, high, scales, mins, BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MINS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """weight_parts' tile as fp32 weights [BLOCK_N, BLOCK_K]."""
+    if BITS == 0:
+        w = codes.to(tl.float32)
+    else:
+        half = tl.arange(0, 2)[None, None, :, None]
+        i = tl.arange(0, 16)[None, None, None, :]
+        if BITS == 8:
+            q = codes.to(tl.int32)
+        else:
+            q = (codes.to(tl.int32) >> (4 * half)) & 15
+            if BITS == 5:
+                q |= ((high.to(tl.int32) >> (2 * (i // 4) + half)) & 1) << 4
+            if BITS == 6:
+                q |= ((high.to(tl.int32) >> (2 * (i // 4))) & 3) << 4
+        w = (q - ZERO).to(tl.float32) * scales.to(tl.float32)
         if HAS_MINS:
-            w += tl.load(mins_ptr + scale, mask=mask, other=0.0).to(tl.float32)
+            w += mins.to(tl.float32)
         w = tl.reshape(w, [BLOCK_N, BLOCK_K])
     return w
 
 @triton.jit
 def dequantize(w_ptr, scales_ptr, mins_ptr, index_ptr, out_ptr, n_rows, cols, stride_w, stride_s, stride_o,
                BITS: tl.constexpr, SUB: tl.constexpr, ZERO: tl.constexpr, HAS_MINS: tl.constexpr,
-               HAS_INDEX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               HAS_INDEX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Rows of a quantized matrix (weight_tile's layout) in out's dtype: row r of out is row index[r] (HAS_INDEX:
     an embedding's lookup) or row r."""
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     r_mask = r < n_rows
+    wait_for_inputs(PDL)  # the index: a step's input
     source = tl.load(index_ptr + r, mask=r_mask, other=0) if HAS_INDEX else r
     w = weight_tile(w_ptr, scales_ptr, mins_ptr, source, r_mask, tl.program_id(1) * BLOCK_K, cols, stride_w,
                     stride_s, BITS, SUB, ZERO, HAS_MINS, BLOCK_N, BLOCK_K)
@@ -243,7 +292,7 @@ def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, scales_ptr, mins_ptr, bias_
                n_out, eps, stride_x, stride_r, stride_sum, stride_o, stride_w, stride_s,
                PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr,
                ZERO: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out = a @ w.T (+ bias) for a few rows (a decode step of few sequences), BLOCK_N of w's rows a program, every
     row of the step in it (BLOCK_M: rows, padded), w dense or quantized (weight_tile), where a is x after a prologue
     that would otherwise be a kernel of its own:
@@ -251,7 +300,8 @@ def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, scales_ptr, mins_ptr, bias_
     residual stream holds it) written into sum_ptr by the first program; 3: silu(gate) * up and 4: gelu_tanh(gate)
     * up of x = [gate | up] (cols each). Each prologue's result is rounded to x's dtype, as the op it replaces would
     store it, then multiplied in fp32 sums. BLOCK_K is best all of cols: each pass of the loop waits for its
-    loads."""
+    loads. With PDL the first pass's weights are loaded before waiting for the kernel before (wait_for_inputs), as
+    it finishes, and decoded after."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < n_out
@@ -260,6 +310,10 @@ def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, scales_ptr, mins_ptr, bias_
     dtype = x_ptr.dtype.element_ty
     x_rows = x_ptr + m[:, None] * stride_x
     r_rows = residual_ptr + m[:, None] * stride_r
+    if PDL:  # the first pass's weights load while the kernel before finishes
+        codes, high, scales, mins = weight_parts(w_ptr, scales_ptr, mins_ptr, n, n_mask, 0, cols, stride_w,
+                                                 stride_s, BITS, SUB, HAS_MINS, BLOCK_K)
+    wait_for_inputs(PDL)
     if PROLOGUE == 1 or PROLOGUE == 2:
         squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
         for k0 in range(0, cols, BLOCK_K):
@@ -274,8 +328,14 @@ def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, scales_ptr, mins_ptr, bias_
     for k0 in range(0, cols, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < cols
-        w = weight_tile(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols, stride_w, stride_s, BITS, SUB, ZERO,
-                        HAS_MINS, BLOCK_N, BLOCK_K)
+        if PDL:
+            if k0 > 0:
+                codes, high, scales, mins = weight_parts(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols,
+                                                         stride_w, stride_s, BITS, SUB, HAS_MINS, BLOCK_K)
+        else:
+            codes, high, scales, mins = weight_parts(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols, stride_w,
+                                                     stride_s, BITS, SUB, HAS_MINS, BLOCK_K)
+        w = weight_values(codes, high, scales, mins, BITS, ZERO, HAS_MINS, BLOCK_N, BLOCK_K)
         mask = m_mask[:, None] & k_mask[None, :]
         a = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
         if PROLOGUE == 2:
