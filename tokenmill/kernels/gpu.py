@@ -130,10 +130,10 @@ def _launching(pdl: bool) -> Iterator[None]:
 
 
 def _launch(device: torch.device) -> dict[str, bool]:
-    """Every launch's PDL options: the kernel's constexpr and Triton's launch flag, always together (a kernel
-    launched so must wait in itself)."""
+    """Every launch's PDL options: the kernel's constexpr, and with it Triton's launch flag (a kernel launched so
+    must wait in itself), which a Triton older than 3.4 lacks and refuses: passed only when on."""
     on = _forced_pdl[0] if _forced_pdl[0] is not None else _pdl[0] and pdl_ready(device)
-    return {"PDL": on, "launch_pdl": on}
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @functools.cache
