@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from helpers import assert_no_live_blocks, counted, generate, start_engine, submit
 
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import RequestError
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
@@ -95,6 +100,45 @@ def test_a_request_that_raises_fails_alone(smollm, prompt_ids, monkeypatch) -> N
         params[3] = SamplingParams(max_tokens=TOKENS, seed=666)
         outs = generate(engine, prompt_ids, params)
         assert outs[3] == [] and all(len(o) == TOKENS for i, o in enumerate(outs) if i != 3)
+        assert_no_live_blocks(engine)
+        assert generate(engine, prompt_ids[:1], [greedy()])[0]  # still serving
+    finally:
+        engine.stop()
+
+
+async def _collect(engine: Engine, prompts: list[list[int]],
+                   params: list[SamplingParams]) -> list[list[SequenceOutput]]:
+    """Every output of each sequence, submitted at once; a sequence never finished fails the test."""
+    streams = [submit(engine, p, sp) for p, sp in zip(prompts, params, strict=True)]
+
+    async def outputs(stream) -> list[SequenceOutput]:
+        return [out async for out in stream]
+
+    return list(await asyncio.wait_for(asyncio.gather(*(outputs(s) for s in streams)), timeout=120))
+
+
+@pytest.mark.parametrize("fails_at", ["a middle token", "the last token"])
+def test_a_request_whose_text_fails_to_decode_fails_alone(smollm, prompt_ids, monkeypatch, fails_at: str) -> None:
+    """A tokenizer's error on one sequence's tokens (the tokenizers library's stream raised on stray bytes) ends
+    that request with an error, also where the step had just finished it, not the engine loop."""
+    add_token = IncrementalDetokenizer.add_token
+    calls = {"count": 0}
+
+    def failing(self, token_id: int) -> None:
+        if "no such text" in self._stop:
+            calls["count"] += 1
+            if calls["count"] == (3 if fails_at == "a middle token" else TOKENS):
+                raise RuntimeError("Invalid prefix encountered while decoding stream")
+        add_token(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_token", failing)
+    engine = start_engine(smollm)
+    try:
+        params = [greedy() for _ in prompt_ids]
+        params[2] = greedy(stop=["no such text"])
+        outs = asyncio.run(_collect(engine, prompt_ids, params))
+        assert outs[2][-1].finish_reason == "error" and outs[2][-1].error
+        assert all(o[-1].finish_reason == "length" for i, o in enumerate(outs) if i != 2)
         assert_no_live_blocks(engine)
         assert generate(engine, prompt_ids[:1], [greedy()])[0]  # still serving
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,31 @@ def test_incremental_text_keeps_the_first_word_boundary_space(spm_tokenizer: Tok
     assert spm_tokenizer.decode(spm_tokenizer.encode("Hi")) == "Hi"  # alone, the decoder strips the space
     deltas, _ = _stream(spm_tokenizer, "Hi there 日本", [])
     assert deltas == [" Hi", " there", " ", "日", "本"]  # after "Start:", "▁Hi" is " Hi"; no byte alone
+
+
+def test_stray_bytes_a_model_samples_neither_stop_the_stream_nor_undo_its_text(spm_tokenizer: Tokenizer) -> None:
+    """A byte-fallback vocabulary lets a model sample bytes that are no UTF-8: "é" (C3 A9), then a stray A9, then
+    text. Decoded together they are one run of U+FFFD, which undoes the "é" already sent: the tokenizers library's
+    stream raised there, and the engine loop died with it. The stream goes on after the text it gave."""
+    def byte(b: int) -> int:
+        return 3 + b  # spm_tokenizer's byte tokens follow <unk>, <s>, </s>
+
+    hi = spm_tokenizer.encode("Hi", add_special_tokens=False)[0]
+    detok = IncrementalDetokenizer(spm_tokenizer, spm_tokenizer.encode("Start:"), [])
+    deltas = []
+    for token in [hi, byte(0xC3), byte(0xA9), byte(0xA9), hi, byte(0xE6), byte(0x97), hi]:
+        detok.add_token(token)
+        deltas.append(detok.take_delta(final=False))
+    deltas.append(detok.take_delta(final=True))
+    assert deltas[:5] == [" Hi", "", "\u00e9", "", " Hi"]  # the stray byte's text is lost, the "é" stays
+    assert "".join(deltas) == detok.text and detok.text.endswith(" Hi")  # a character cut short: U+FFFD, then on
+    generator = random.Random(0)
+    tokens = [*map(byte, range(256)), hi, spm_tokenizer.encode("there", add_special_tokens=False)[0]]
+    for _ in range(300):  # any run of bytes and words: text, never an error
+        detok = IncrementalDetokenizer(spm_tokenizer, spm_tokenizer.encode("Start:"), [])
+        for token in generator.choices(tokens, k=12):
+            detok.add_token(token)
+        detok.take_delta(final=True)
 
 
 def test_a_prompt_ending_inside_a_character_stays_out_of_the_text(smollm_tokenizer: Tokenizer) -> None:

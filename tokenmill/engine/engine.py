@@ -368,18 +368,28 @@ class Engine:
         self.metrics.observe_tokens([now - seq.arrival_time for seq in seqs if not seq.num_sent_tokens],
                                     [now - seq.last_token_time for seq in seqs if seq.num_sent_tokens])
         for seq, logprob in zip(seqs, logprobs, strict=True):
-            new = seq.output_ids[seq.num_sent_tokens:]
             seq.last_token_time = now
-            ended = self._ended_by_end_token(seq)
-            seq.pending_logprobs += [lp for lp in logprob[:len(logprob) - ended] if lp is not None]
-            for token in new[:-1] if ended else new:
-                seq.detokenizer.add_token(token)
-            if seq.detokenizer.stopped:
-                if seq.status == Status.FINISHED:
-                    seq.finish_reason = "stop"  # a stop string in the last token outranks the length limit
-                else:
-                    self.scheduler.finish(seq, "stop")
+            try:
+                self._detokenize(seq, logprob)
+            except Exception:
+                # One sequence's text failing (a tokenizer's error) fails that request, not the engine loop.
+                log.error("output of sequence %d failed:\n%s", seq.seq_id, traceback.format_exc())
+                self._fail(seq, "internal error while decoding the output")
+                continue
             self._send(seq)
+
+    def _detokenize(self, seq: Sequence, logprob: list[TokenLogprob | None]) -> None:
+        """The sequence's new tokens into its text and logprobs; a stop string finishes it."""
+        new = seq.output_ids[seq.num_sent_tokens:]
+        ended = self._ended_by_end_token(seq)
+        seq.pending_logprobs += [lp for lp in logprob[:len(logprob) - ended] if lp is not None]
+        for token in new[:-1] if ended else new:
+            seq.detokenizer.add_token(token)
+        if seq.detokenizer.stopped:
+            if seq.status == Status.FINISHED:
+                seq.finish_reason = "stop"  # a stop string in the last token outranks the length limit
+            else:
+                self.scheduler.finish(seq, "stop")
 
     def _ended_by_end_token(self, seq: Sequence) -> bool:
         """The sequence's last token is the end-of-generation or stop token that finished it: not part of the
@@ -404,6 +414,14 @@ class Engine:
             return
         self.scheduler.finish(seq, reason)
         self._send(seq, error)
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        """End a sequence with an error, also one the step's update just finished (its last output not sent)."""
+        if seq.status == Status.FINISHED:
+            seq.finish_reason = "error"
+            self._send(seq, error)
+        else:
+            self._finish(seq, "error", error)
 
     def _send(self, seq: Sequence, error: str | None = None) -> None:
         final = seq.status == Status.FINISHED

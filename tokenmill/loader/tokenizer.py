@@ -6,7 +6,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
-from functools import cached_property, partial
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -256,9 +256,32 @@ class Tokenizer:
         prompt ids and keeps their text out of the output: with that context the first token's word-boundary
         space comes out as in a whole decode (a SentencePiece decoder strips the leading space of a decode).
         """
-        context = list(prompt_ids[-_STREAM_CONTEXT_TOKENS:])
+        seen = list(prompt_ids[-_STREAM_CONTEXT_TOKENS:])
+        stream = self._stream_after(seen)
+
+        def step(token_id: int) -> str | None:
+            nonlocal stream
+            try:
+                text = stream.step(self._tok, token_id)
+            except Exception as exc:
+                if "Invalid prefix" not in str(exc):
+                    raise
+                # Byte-fallback pieces that are no UTF-8 (a model may sample a stray byte, after "é": C3 A9 A9)
+                # decode as one run of U+FFFD, which undoes text the stream gave already: it cannot go on (vLLM
+                # meets the same). A new stream after the tokens before this one: the stray byte's text is lost.
+                stream = self._stream_after(seen)
+                text = stream.step(self._tok, token_id)
+            seen.append(token_id)
+            del seen[:-_STREAM_CONTEXT_TOKENS]
+            return text
+
+        return step
+
+    def _stream_after(self, context: list[int]) -> DecodeStream:
+        """A DecodeStream whose text starts after context's."""
+        context = list(context)
         # DecodeStream holds its context back only where it decodes to text not ending in U+FFFD; a prompt of
         # token ids may end inside a character, and then the context's text would come out with the first token.
         while context and self.decode(context).endswith("\ufffd"):
             context.pop()
-        return partial(DecodeStream(context, skip_special_tokens=True).step, self._tok)
+        return DecodeStream(context, skip_special_tokens=True)
