@@ -130,9 +130,12 @@ def _chat_prompt(serving: Serving, body: ChatCompletionRequest) -> tuple[list[in
             raise RequestError(str(exc), param="chat_template") from exc
     parser = choose_parser(template.source, config.tool_call_parser)
     messages, tools = template_inputs(body, template, parser)
-    prompt = template.render(messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
-                             timeout=config.chat_template_timeout, max_chars=config.chat_template_max_chars)
-    return engine.tokenizer.encode_chat(prompt, [m["content"] for m in messages]), parser
+
+    def render(inputs: tuple[list[dict], list[dict] | None]) -> str:
+        return template.render(inputs[0], add_generation_prompt=body.add_generation_prompt, tools=inputs[1],
+                               timeout=config.chat_template_timeout, max_chars=config.chat_template_max_chars)
+
+    return engine.tokenizer.encode_chat(render, (messages, tools)), parser
 
 
 async def _submit_chat(serving: Serving, body: ChatCompletionRequest

@@ -28,6 +28,9 @@ END_OF_TURN_TEXTS = frozenset({
 
 # Prompt tokens a decode stream starts from, so that word-boundary spaces come out right.
 _STREAM_CONTEXT_TOKENS = 5
+# Stands in for each character of special-token text in a request's values (Tokenizer.encode_chat): printable
+# ASCII, which a template's JSON of a tool leaves as it is; no special token's text is tildes alone.
+MASK = "~"
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
@@ -197,27 +200,48 @@ class Tokenizer:
             start += 1
         return [self._bos_id, *ids[start:]]
 
-    def encode_chat(self, prompt: str, user_texts: list[str]) -> list[int]:
-        """Encode a rendered chat prompt in which special-token text inside user_texts stays text.
+    def encode_chat(self, render: Callable[[Any], str], inputs: Any) -> list[int]:
+        """Encode the chat prompt render(inputs) makes of a request's values (messages and tools: dicts, lists,
+        strings) with special tokens only where the chat template writes them: special-token text in the values
+        (a message, a tool's description or arguments) stays text, wherever it lands in the prompt.
 
-        Only texts that contain special-token text are cut out, so an ordinary prompt tokenizes exactly as the
-        model's reference tokenizer does.
+        Where the values hold such text, they are rendered a second time with it masked (MASK for each
+        character): the special tokens of that prompt are the template's own, at the same places. (Before, the
+        text was searched for in the prompt, and a message the template's own turn markers also spelled out
+        earlier was matched there, its markers read as control tokens.) Values without it render once and
+        tokenize exactly as the model's reference tokenizer would.
         """
-        risky = [t for t in user_texts if any(s in t for s in self.special_tokens)]
+        prompt = render(inputs)
+        masked = self._masked(inputs)
+        if masked == inputs:
+            return self._one_bos(self._tok.encode(prompt, add_special_tokens=False).ids)
+        template_only = render(masked)
+        if len(template_only) != len(prompt) or any(
+                a != b and b != MASK for a, b in zip(prompt, template_only, strict=True)):
+            raise RequestError("a message holds special-token text that the chat template rewrites; "
+                               "tokenmill refuses it rather than read it as control tokens", param="messages")
         ids: list[int] = []
         cursor = 0
-        for text in risky:
-            at = prompt.find(text, cursor)
-            if at < 0:
-                text = text.strip()
-                at = prompt.find(text, cursor)
-            if at < 0:
-                raise RequestError("a message holds special-token text that the chat template rewrites; "
-                                   "tokenmill refuses it rather than read it as control tokens", param="messages")
-            ids += self._tok.encode(prompt[cursor:at], add_special_tokens=False).ids
-            ids += self._plain.encode(text, add_special_tokens=False).ids
-            cursor = at + len(text)
-        return self._one_bos(ids + self._tok.encode(prompt[cursor:], add_special_tokens=False).ids)
+        for match in self._special_text.finditer(template_only):
+            ids += self._plain.encode(prompt[cursor:match.start()], add_special_tokens=False).ids
+            ids.append(self._special_ids[match.group()])
+            cursor = match.end()
+        return self._one_bos(ids + self._plain.encode(prompt[cursor:], add_special_tokens=False).ids)
+
+    def _masked(self, value: Any) -> Any:
+        """value with each special token's text in its strings masked by as many MASK characters."""
+        if isinstance(value, str):
+            return self._special_text.sub(lambda m: MASK * len(m.group()), value) if self.special_tokens else value
+        if isinstance(value, dict):
+            return {k: self._masked(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._masked(v) for v in value)
+        return value
+
+    @cached_property
+    def _special_text(self) -> re.Pattern[str]:
+        """Any special token's text, the longest first where one begins another."""
+        return re.compile("|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token adds to the text, exactly (a piece of a UTF-8 character stays that piece): what
