@@ -152,6 +152,16 @@ def test_stops_and_limits_inside_an_accepted_run(smollm, prompts) -> None:
     plain, spec, engine = both(smollm, [prompts[5]] * len(params), params, one_at_a_time=True)
     assert same(plain, spec) and counted(engine.metrics.spec_accepted_tokens) > 10
     assert [r[2] for r in spec][:5] == ["stop", "stop", "length", "length", "stop"]
+    # A prompt the answer copies, so the stop strings fall inside a run accepted whole: the tokens after the stop
+    # once came out, with the stop string cut from the middle of the text. min_tokens holds stop strings back.
+    fox = smollm.tokenizer.encode("Repeat after me three times: the quick brown fox jumps over the lazy dog. The "
+                                  "quick brown fox jumps over the lazy dog. The quick brown fox")
+    params = [greedy(stop=[" over"], logprobs=0), greedy(stop=["lazy"]), greedy(stop=["dog"], logprobs=0),
+              greedy(stop=["lazy"], min_tokens=12, max_tokens=12)]
+    plain, spec, engine = both(smollm, [fox] * len(params), params, one_at_a_time=True)
+    assert same(plain, spec) and counted(engine.metrics.spec_accepted_tokens) > 4
+    assert [r[1] for r in spec][:3] == [" jumps", " jumps over the ", " jumps over the lazy "]
+    assert "lazy dog" in spec[3][1] and len(spec[3][0]) == 12 and spec[3][2] == "length"
 
 
 def test_aborts_and_preemption_leave_no_block_behind(smollm, prompts) -> None:

@@ -285,7 +285,8 @@ class Engine:
         seq = Sequence(
             seq_id=seq_id, prompt_ids=prompt_ids, params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
-                                               params.include_stop_str_in_output, params.shown_special_token_ids),
+                                               params.include_stop_str_in_output, params.shown_special_token_ids,
+                                               params.min_tokens),
             sink=sink, arrival_time=arrival,
             # A seeded request samples from its own stream, so its tokens do not depend on its neighbours.
             generator=None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed),
@@ -379,17 +380,17 @@ class Engine:
             self._send(seq)
 
     def _detokenize(self, seq: Sequence, logprob: list[TokenLogprob | None]) -> None:
-        """The sequence's new tokens into its text and logprobs; a stop string finishes it."""
+        """The sequence's new tokens (and their logprobs) into its text; a stop string ends the sequence at the
+        token that completes it, dropping any after it in the step."""
         new = seq.output_ids[seq.num_sent_tokens:]
         ended = self._ended_by_end_token(seq)
-        seq.pending_logprobs += [lp for lp in logprob[:len(logprob) - ended] if lp is not None]
-        for token in new[:-1] if ended else new:
+        for i, token in enumerate(new[:-1] if ended else new):
             seq.detokenizer.add_token(token)
-        if seq.detokenizer.stopped:
-            if seq.status == Status.FINISHED:
-                seq.finish_reason = "stop"  # a stop string in the last token outranks the length limit
-            else:
-                self.scheduler.finish(seq, "stop")
+            if seq.detokenizer.stopped:
+                self.scheduler.stop_at(seq, seq.num_sent_tokens + i + 1)
+                logprob, ended = logprob[:i + 1], False
+                break
+        seq.pending_logprobs += [lp for lp in logprob[:len(logprob) - ended] if lp is not None]
 
     def _ended_by_end_token(self, seq: Sequence) -> bool:
         """The sequence's last token is the end-of-generation or stop token that finished it: not part of the

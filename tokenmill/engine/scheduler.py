@@ -260,6 +260,17 @@ class Scheduler:
                     break
         return finished
 
+    def stop_at(self, seq: Sequence, outputs: int) -> None:
+        """A stop string ends the sequence after its first `outputs` tokens: later ones of the same step (a
+        speculative step's accepted proposals, whose text came after the stop) are dropped, as if never sampled.
+        The string outranks a limit or an end token that a later token of the step hit."""
+        del seq.output_ids[outputs:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+        if seq.status == Status.FINISHED:
+            seq.finish_reason = "stop"
+        else:
+            self.finish(seq, "stop")
+
     def isolate(self, seqs: list[Sequence]) -> None:
         """After a failed batch: drop the sequences' KV and rerun each alone, to fail only the one that raises."""
         for seq in seqs:
