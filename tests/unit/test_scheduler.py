@@ -104,6 +104,24 @@ def test_without_chunked_prefill_a_prompt_runs_whole() -> None:
     assert [p.num_tokens for p in big.schedule()] == [40]  # larger than the budget: runs alone, whole
 
 
+@pytest.mark.parametrize("prompt_len", [40, 14])
+def test_without_chunked_prefill_the_first_prompt_waiting_runs_alone_if_it_fits_no_step_beside_decodes(
+        prompt_len: int) -> None:
+    """Larger than the budget (40), or than what the decodes leave of it (14 beside 4 decodes of 16): the first
+    prompt in the queue runs alone, the decodes waiting one step. It used to wait for a step nobody decodes in,
+    while later, shorter prompts overtook it and kept the decodes going (an audit's long prompt waited 29 s)."""
+    sched, _ = scheduler(max_num_batched_tokens=16, chunked_prefill=False)
+    decoders = [make(i, 2, max_tokens=50) for i in range(4)]
+    for seq in decoders:
+        sched.add(seq)
+    step(sched)
+    sched.add(make(9, prompt_len))
+    sched.add(make(10, 2))  # a short prompt behind it: it never runs before the long one
+    alone = step(sched)
+    assert alone[0] == (9, prompt_len) and all(seq_id >= 9 for seq_id, _ in alone)  # what is left of the budget
+    assert step(sched)[:5] == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 1)]  # the decodes go on
+
+
 def test_preempts_the_newest_and_resumes_it_first() -> None:
     sched, kv = scheduler(num_blocks=6)
     seqs = [make(i, 7, max_tokens=8) for i in range(3)]  # 2 blocks each: the pool is full after admission

@@ -150,14 +150,19 @@ class Scheduler:
 
     def _admit_waiting(self, plan: list[ScheduledSequence], budget: _Budget) -> None:
         """In arrival order, except that a long prompt out of budget for this step lets the prompts behind it
-        through; one that does not fit in memory stops admission (nobody overtakes it)."""
-        for seq in list(self.waiting):
-            if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
+        through (with chunked prefill: its chunk comes in a later step); one that does not fit in memory stops
+        admission (nobody overtakes it)."""
+        whole_prompts = not self.config.chunked_prefill
+        for i, seq in enumerate(list(self.waiting)):
+            head = i == 0
+            if len(self.running) >= self.config.max_num_seqs or (budget.tokens <= 0 and not (head and whole_prompts)):
                 return
             # A mean needs every position's hidden state: such a sequence computes its whole prompt.
             cached = 0 if seq.pooling == "mean" else self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
             seq.num_computed_tokens = cached
             n = self._chunk(seq, budget)
+            if n == 0 and head and whole_prompts:
+                n = self._alone(seq, plan, budget)
             if n == 0 or not self._reserve(seq, n):
                 self.kv.free(seq.seq_id)  # drop the prefix references; it is looked up again next time
                 seq.num_computed_tokens = 0
@@ -172,6 +177,17 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._take(plan, budget, seq, n)
+
+    def _alone(self, seq: Sequence, plan: list[ScheduledSequence], budget: _Budget) -> int:
+        """Whole prompts only, and the first in the queue does not fit beside this step's decodes: it runs alone,
+        the decodes waiting a step, rather than wait for a step nobody decodes in, which never comes while requests
+        keep arriving (the prompts behind it overtook it meanwhile). Its token count, or 0 without KV room."""
+        todo = seq.num_tokens - seq.num_computed_tokens
+        if not self._reserve(seq, todo):
+            return 0
+        plan.clear()
+        budget.tokens = self.config.max_num_batched_tokens
+        return todo
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """KV room for seq's next n tokens."""
