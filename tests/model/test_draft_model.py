@@ -105,12 +105,16 @@ def test_the_draft_runs_only_what_changed_and_gives_way_when_its_pool_is_short(t
     a, b = sequence(0, list(range(60, 80))), sequence(1, list(range(120, 140)))
     guesses = draft.propose([a], [4])[0]
     assert guesses == greedy_continuation(target, a.prompt_ids, 4)
-    assert draft.held[0] == len(a.prompt_ids) + 3  # the prompt and the guesses it ran, all but the last
+    assert draft.held[0] == (len(a.prompt_ids), guesses[:3])  # the prompt and the guesses it ran, all but the last
     wrong = (guesses[2] + 1) % 256
     a.output_ids = guesses[:2] + [wrong]  # two guesses accepted, the third rejected: the target chose another
     again = draft.propose([a], [3])[0]
     assert again == greedy_continuation(target, a.tokens(0, a.num_tokens), 3)
-    assert draft.held[0] == len(a.prompt_ids) + 3 + 2  # it ran again from the rejected guess's position on
+    assert draft.held[0] == (a.num_tokens, again[:2])  # it ran again from the rejected guess's position on
+    # The first guess rejected, then steps without proposals (the acceptance gate pausing the sequence): the next
+    # proposal runs from the rejected guess on, not from where the draft's KV ended (it held stale guesses there).
+    a.output_ids += [(again[0] + 1) % 256, 5, 6, 7]
+    assert draft.propose([a], [3])[0] == greedy_continuation(target, a.tokens(0, a.num_tokens), 3)
     assert draft.propose([b], [4])[0] == greedy_continuation(target, b.prompt_ids, 4)  # a gave way: 3 blocks
     assert 0 not in draft.held and cache.blocks_of(0) == 0
     both = draft.propose([a, b], [4, 4])  # a needs 2 blocks, b holds 2 of 3

@@ -28,7 +28,9 @@ class DraftModelProposer:
         self.device = draft.device
         self.kv_cache = kv_cache
         self.vocab_size = vocab_size
-        self.held: dict[int, int] = {}  # seq id -> how many of its tokens, from position 0, the draft's KV holds
+        # seq id -> what the draft's KV holds from position 0: how many of the sequence's own tokens, then the
+        # guesses it ran after them (its last proposal but the final guess), which the target may have rejected
+        self.held: dict[int, tuple[int, list[int]]] = {}
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -38,12 +40,14 @@ class DraftModelProposer:
         for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
             if k <= 0:
                 continue
-            # The draft holds the tokens it last saw and its guesses after them but the last; since then the
-            # sequence has kept a run of those guesses and added one token, so the draft's first `held` tokens are
-            # the sequence's up to that token or the one before. The last token always runs: its logits guess.
-            start = min(self.held.get(seq.seq_id, 0), seq.num_tokens - 1)
+            # The draft's KV is the sequence's up to the first guess the target did not keep (a sequence may also
+            # have gone on for steps without proposals since). The last token always runs: its logits guess.
+            own, guesses = self.held.get(seq.seq_id, (0, []))
+            kept = seq.tokens(own, own + len(guesses))
+            same = next((j for j, (a, b) in enumerate(zip(guesses, kept, strict=False)) if a != b),
+                        min(len(guesses), len(kept)))
+            start = min(own + same, seq.num_tokens - 1)
             if self._reserve(seq.seq_id, seq.num_tokens + k - 1, asking):
-                self.held[seq.seq_id] = start
                 feeds.append((i, seq.tokens(start, seq.num_tokens), start, k))
         for step in range(max((k for *_, k in feeds), default=0)):
             feeds = [f for f in feeds if f[3] > step]
@@ -52,9 +56,11 @@ class DraftModelProposer:
             running = []
             for (i, fed, start, k), guess in zip(feeds, guesses, strict=True):
                 drafts[i].append(guess)
-                self.held[seqs[i].seq_id] += len(fed)
                 running.append((i, [guess], start + len(fed), k))  # the guess runs next, for the one after it
             feeds = running
+        for i, draft in enumerate(drafts):
+            if draft:
+                self.held[seqs[i].seq_id] = (seqs[i].num_tokens, draft[:-1])
         return drafts
 
     @torch.inference_mode()
