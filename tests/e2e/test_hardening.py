@@ -306,6 +306,33 @@ def test_request_templates_are_off_by_default(tiny4k: LoadedModel) -> None:
         assert "allow-request-chat-template" in assert_error_object(response, 400, "chat_template")["message"]
 
 
+def test_a_burst_fills_the_free_slots_and_the_queue_and_a_request_that_never_fits_is_a_400(
+        tiny4k: LoadedModel) -> None:
+    """Arriving before the engine's next step, --max-num-seqs requests take its free slots and
+    --max-queued-requests more wait; the next is busy (429). The queue once counted the burst's first ones as
+    waiting, and admitted half. A request of more sequences than slots and queue together can never run: 400."""
+    engine = start_engine(tiny4k, max_num_seqs=4, max_queued_requests=4)
+    client = EngineClient(engine)
+    params = SamplingParams(max_tokens=2)
+
+    async def scenario() -> None:
+        with pytest.raises(RequestError, match="9 sequences"):
+            client.submit([[5] * 4] * 3, params, n=3)
+        streams = client.submit([[5] * 4] * 2, params, n=3)  # 6 on an idle server: 4 run, 2 wait
+        streams += [submit(engine, [5] * 4, params) for _ in range(2)]
+        with pytest.raises(ServerBusyError):
+            submit(engine, [5] * 4, params)
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(scenario())
+        assert_no_live_blocks(engine)
+    finally:
+        engine.stop()
+
+
 def test_flood_gets_429_with_retry_after_and_leaks_nothing(tiny4k: LoadedModel) -> None:
     async def flood(url: str) -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as client:

@@ -94,9 +94,12 @@ class EngineClient:
         engine = self.engine
         if not engine.alive:
             raise EngineUnavailableError("the engine is not running")
-        limit = engine.config.max_queued_requests
-        if engine.num_waiting + count > limit:
-            raise ServerBusyError(f"The server is busy: {engine.num_waiting} sequences are waiting, the queue "
+        limit, slots = engine.config.max_queued_requests, engine.config.max_num_seqs
+        if count > slots + limit:
+            raise RequestError(f"the request asks for {count} sequences (prompts x n); this server runs {slots} "
+                               f"and queues {limit} at once")
+        if engine.waiting_with(count) > limit:
+            raise ServerBusyError(f"The server is busy: {engine.waiting_with(0)} sequences are waiting, the queue "
                                   f"holds {limit}. Retry later.")
 
     def _admit(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> SamplingParams:

@@ -63,6 +63,7 @@ class Engine:
         self._unfinished = 0
         self._unfinished_lock = threading.Lock()
         self._num_running = 0
+        self._num_waiting_at_step = 0
 
     def _setup(self) -> None:
         c = self.config
@@ -200,9 +201,13 @@ class Engine:
     def num_unfinished(self) -> int:
         return self._unfinished
 
-    @property
-    def num_waiting(self) -> int:
-        return self._unfinished - self._num_running
+    def waiting_with(self, count: int) -> int:
+        """How many sequences would wait for a slot with `count` more: all those beyond the running ones where the
+        last step left some waiting (memory, not slots, held them back: newcomers queue behind them), else those
+        beyond --max-num-seqs (the ones added since the last step take its free slots first)."""
+        if self._num_waiting_at_step:
+            return self._unfinished + count - self._num_running
+        return max(0, self._unfinished + count - self.config.max_num_seqs)
 
     def snapshot(self) -> dict[str, object]:
         """What the dashboard shows (GET /stats): the engine's state now, read from any thread while the loop runs
@@ -254,6 +259,7 @@ class Engine:
             if self.scheduler.has_work():
                 self._step()
             self._num_running = len(self.scheduler.running)
+            self._num_waiting_at_step = len(self.scheduler.waiting)
             self.metrics.set_gauges(self.scheduler, self.kv_cache)
         self._drain_inbox(block=False)  # what was added meanwhile is finished too, not left hanging
         for seq in list(self._seqs.values()):
