@@ -26,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
+    # None: off; k >= 0: each prompt token's logprob (after the first) plus the top k at its position, as the
+    # model read the prompt (the prefix cache is skipped: cached positions have no logits)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # Special tokens whose text the output keeps (they are skipped otherwise): what delimits a tool call
     shown_special_token_ids: list[int] = field(default_factory=list)

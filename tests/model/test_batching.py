@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import assert_no_live_blocks, counted, generate, start_engine, submit
+from helpers import assert_no_live_blocks, counted, generate, our_logits, start_engine, submit
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine import Engine
@@ -143,6 +143,30 @@ def test_a_request_whose_text_fails_to_decode_fails_alone(smollm, prompt_ids, mo
         assert generate(engine, prompt_ids[:1], [greedy()])[0]  # still serving
     finally:
         engine.stop()
+
+
+def test_prompt_logprobs_are_the_models_over_chunks_and_prefix_cache_hits(smollm, prompt_ids) -> None:
+    """Each prompt token's logprob under the logits of the position before it and the top 3 there, as a whole
+    prefill gives them, though the prompt runs in chunks of 16 and the same prompt's blocks sit in the prefix
+    cache (a cached position has no logits: such a request computes its whole prompt). With the first output."""
+    prompt = prompt_ids[3]  # 36 tokens
+    expected = our_logits(smollm, prompt).log_softmax(-1)
+    engine = start_engine(smollm, max_num_batched_tokens=16, long_prefill_token_threshold=0)
+    try:
+        generate(engine, [prompt], [greedy()])
+        assert engine.kv_cache.prefix_cache.num_blocks >= 2  # its blocks are cached
+        params = [greedy(prompt_logprobs=3), greedy(prompt_logprobs=0)]
+        outs = asyncio.run(_collect(engine, [prompt, prompt], params))
+    finally:
+        engine.stop()
+    for out, k in zip(outs, (3, 0), strict=True):
+        entries = out[0].prompt_logprobs
+        assert entries is not None and all(o.prompt_logprobs is None for o in out[1:])
+        assert [e.token_id for e in entries] == prompt[1:]
+        for position, entry in enumerate(entries):
+            row = expected[position]
+            assert abs(entry.logprob - float(row[prompt[position + 1]])) < 1e-4
+            assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()[:k]
 
 
 def test_a_request_that_can_never_fit_is_refused_before_it_queues(smollm, prompt_ids) -> None:

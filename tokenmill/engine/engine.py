@@ -409,6 +409,13 @@ class Engine:
             last in seq.params.stop_token_ids and not seq.params.include_stop_str_in_output)
 
     @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob] | None:
+        """With the sequence's first output, where asked: its prompt's logprob entries in order."""
+        if seq.params.prompt_logprobs is None or seq.num_sent_tokens or not seq.output_ids:
+            return None
+        return [seq.prompt_logprobs[p] for p in range(1, len(seq.prompt_ids))]
+
+    @staticmethod
     def _embedding(seq: Sequence) -> list[float] | None:
         if seq.pooling is None or seq.pooled is None:
             return None
@@ -438,6 +445,7 @@ class Engine:
             finish_reason=seq.finish_reason if final else None, prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids), cached_tokens=seq.num_cached_tokens or 0, error=error,
             embedding=self._embedding(seq) if final and seq.finish_reason == "stop" else None,
+            prompt_logprobs=self._prompt_logprobs(seq),
         )
         seq.num_sent_tokens, seq.pending_logprobs = len(seq.output_ids), []
         if final:

@@ -50,6 +50,8 @@ class SequenceOutput:
     cached_tokens: int = 0
     error: str | None = None
     embedding: list[float] | None = None  # an embedding sequence's result: the pooled vector, L2-normalized
+    # SamplingParams.prompt_logprobs, with the first output: one entry per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -63,6 +65,9 @@ class Sequence:
     grammar: Grammar | None = None  # structured output: what the text must match, advanced token by token
     pooling: str | None = None  # an embedding: "last" or "mean" of the prompt's final hidden states; never samples
     pooled: torch.Tensor | None = None  # its running sum (mean) or last hidden state, fp32, set by the runner
+    # SamplingParams.prompt_logprobs: the entry of each prompt position after the first, set by the runner as the
+    # prompt's chunks run (a recompute after preemption writes the same again)
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     arrival_time: float = 0.0  # perf_counter() at submit, for time to first token
     last_token_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)

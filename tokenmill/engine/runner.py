@@ -6,9 +6,13 @@ import torch
 
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.engine.graphs import DecodeGraphs
+from tokenmill.engine.request import Sequence
+from tokenmill.engine.sampler import token_logprobs
 from tokenmill.engine.scheduler import ScheduledSequence
 from tokenmill.layers.attention import SequenceSlice
 from tokenmill.models.registry import CausalLM
+
+PROMPT_ROWS = 256  # prompt logprobs: rows of logits computed at once (SmolLM2's vocabulary: 50 MB in fp32)
 
 
 class ModelRunner:
@@ -33,6 +37,7 @@ class ModelRunner:
         slices: list[SequenceSlice] = []
         sample_rows: list[int] = []
         pooled: list[tuple[ScheduledSequence, int, int]] = []  # embeddings: (item, first row, end row)
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # prompt logprobs: (seq, first row, position, rows)
         for item in plan:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
@@ -43,11 +48,17 @@ class ModelRunner:
                 sample_rows += range(len(input_ids) - 1 - len(item.draft), len(input_ids))
             if seq.pooling is not None and (item.pools or seq.pooling == "mean"):  # last: the final chunk only
                 pooled.append((item, len(input_ids) - item.num_tokens, len(input_ids)))
+            if seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids) - 1:
+                # a prompt chunk's rows whose next token is the prompt's too
+                prompt_rows.append((seq, len(input_ids) - item.num_tokens, start,
+                                    min(end, len(seq.prompt_ids) - 1) - start))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_cache.prepare(slices))
         for item, first, end in pooled:
             self._pool(item, hidden[first:end])
+        for seq, first, position, count in prompt_rows:
+            self._prompt_logprobs(seq, hidden[first:first + count], position)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
@@ -57,6 +68,18 @@ class ModelRunner:
         assert self.graphs is not None
         return self.graphs.size_for(len(plan)) is not None and all(
             item.num_tokens == 1 and item.samples and not item.draft and item.seq.pooling is None for item in plan)
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, position: int) -> None:
+        """The logprob entries of the prompt tokens after position.. (each row's next token), PROMPT_ROWS rows of
+        logits at a time: a whole chunk's would take rows x vocabulary floats at once."""
+        k = seq.params.prompt_logprobs
+        assert k is not None
+        for at in range(0, hidden.shape[0], PROMPT_ROWS):
+            rows = hidden[at:at + PROMPT_ROWS]
+            first = position + at + 1
+            targets = torch.tensor(seq.prompt_ids[first:first + rows.shape[0]], device=self.device)
+            for i, entry in enumerate(token_logprobs(self.model.compute_logits(rows).float(), targets, k)):
+                seq.prompt_logprobs[first + i] = entry
 
     @staticmethod
     def _pool(item: ScheduledSequence, hidden: torch.Tensor) -> None:

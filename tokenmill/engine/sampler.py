@@ -6,6 +6,8 @@ tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tokenmill.engine.request import Sequence, TokenLogprob
@@ -174,16 +176,15 @@ class Sampler:
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob | None]:
         wanted = [s.params.logprobs for s in seqs]
         # Logprobs of the model's own distribution, before temperature, penalties and filters (as vLLM reports).
-        logprobs = raw.log_softmax(dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        k_max = max(k for k in wanted if k is not None)
-        best = logprobs.topk(k_max, dim=-1)
-        top_vals, top_ids = best.values.tolist(), best.indices.tolist()
-        out: list[TokenLogprob | None] = []
-        for i, k in enumerate(wanted):
-            if k is None:
-                out.append(None)
-            else:
-                top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
-                out.append(TokenLogprob(int(tokens[i]), chosen[i], top))
-        return out
+        entries = token_logprobs(raw, tokens, max(k for k in wanted if k is not None))
+        return [None if k is None else replace(e, top=e.top[:k]) for e, k in zip(entries, wanted, strict=True)]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """Each row's entry: the logprob of its token under the row's logits, and the k most likely tokens."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    best = logprobs.topk(k, dim=-1)
+    top_vals, top_ids = best.values.tolist(), best.indices.tolist()
+    return [TokenLogprob(int(t), chosen[i], list(zip(top_ids[i], top_vals[i], strict=True)))
+            for i, t in enumerate(tokens.tolist())]

@@ -157,8 +157,10 @@ class Scheduler:
             head = i == 0
             if len(self.running) >= self.config.max_num_seqs or (budget.tokens <= 0 and not (head and whole_prompts)):
                 return
-            # A mean needs every position's hidden state: such a sequence computes its whole prompt.
-            cached = 0 if seq.pooling == "mean" else self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
+            # A mean needs every position's hidden state, prompt logprobs every position's logits: such a
+            # sequence computes its whole prompt.
+            whole = seq.pooling == "mean" or seq.params.prompt_logprobs is not None
+            cached = 0 if whole else self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
             seq.num_computed_tokens = cached
             n = self._chunk(seq, budget)
             if n == 0 and head and whole_prompts:
