@@ -24,6 +24,8 @@ from tokenmill.sampling import SamplingParams
 MODEL = "tiny"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"
 HI = [{"role": "user", "content": "hi"}]
 LIMITS = ServerConfig(max_request_bytes=64 * 1024, max_json_depth=32, max_seqs_per_request=4, max_messages=8,
                       max_stop=4, max_logit_bias=16, chat_template_timeout=0.5, chat_template_max_chars=2000,
@@ -65,6 +67,12 @@ CASES = [
      "prompt.1"),
     ("lone surrogate in a stop string", "POST", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", '
                                                              b'"stop": "\\ud83d"}', {}, 400, "stop"),
+    ("lone surrogate in an embedding input", "POST", EMBEDDINGS, b'{"model": "tiny", "input": "hi \\ud800"}', {},
+     400, "input"),
+    ("lone surrogate in a response's metadata", "POST", RESPONSES, b'{"model": "tiny", "input": "hi", '
+     b'"max_output_tokens": 2, "metadata": {"k": "\\ud800"}}', {}, 400, "metadata.k"),
+    ("lone surrogate in a response's user", "POST", RESPONSES, b'{"model": "tiny", "input": "hi", '
+     b'"max_output_tokens": 2, "user": "\\udfff"}', {}, 400, "user"),
     ("missing model", "POST", CHAT, {"messages": HI}, {}, 400, "model"),
     ("missing messages", "POST", CHAT, {"model": MODEL}, {}, 400, "messages"),
     ("messages not a list", "POST", CHAT, chat(messages="hi"), {}, 400, "messages"),
@@ -290,6 +298,17 @@ def test_oversized_body_without_content_length(server: ServerThread) -> None:
     response = httpx.post(server.root_url + CHAT, content=chunks(), headers={"content-type": "application/json"})
     assert_error_object(response, 413)
     assert_serves(server)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES])
+def test_a_body_that_is_not_json_is_refused_saying_where(server: ServerThread, path: str) -> None:
+    """Not FastAPI's `28: JSON decode error` naming the offset as the param: no field is at fault."""
+    for body, message in ((b'{"model": "x", "messages": [', "Expecting value at line 1 column 29"),
+                          (b'{\n  "model": "x",\n  "input": "hi",\n}',
+                           "Expecting property name enclosed in double quotes at line 4 column 1")):
+        error = assert_error_object(send(server, "POST", path, body, {}), 400)
+        assert error == {"message": f"the body is not valid JSON: {message}", "type": "invalid_request_error",
+                         "param": None, "code": None}
 
 
 def test_a_request_template_renders_when_allowed(server: ServerThread) -> None:

@@ -97,7 +97,7 @@ def test_completion_logprobs_show_pieces_as_bytes_and_every_alternative(server: 
     pieces = [t for t in lp["tokens"] if t.startswith("bytes:")]
     assert len(pieces) > 4 and all(t.count("\\x") == len(unescaped(t)) for t in pieces)
     assert b"".join(unescaped(t) for t in lp["tokens"]) == text.encode()
-    assert [len(alternatives) for alternatives in lp["top_logprobs"]] == [5] * len(lp["tokens"])
+    assert_alternatives(lp, 5)
     assert lp["text_offset"] == offsets_of(lp["tokens"])
     for token, at in zip(lp["tokens"], lp["text_offset"], strict=True):
         assert text[at:].startswith(token) if not token.startswith("bytes:") else \
@@ -125,7 +125,27 @@ def test_completion_alternatives_never_collapse(server: ServerThread) -> None:
         body = {"prompt": prompt, "max_tokens": 6, "logprobs": 5, "temperature": 1.0, "seed": 7}
         lp = post(server, "/completions", body)["choices"][0]["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == 6
-        assert [len(alternatives) for alternatives in lp["top_logprobs"]] == [5] * 6
+        assert_alternatives(lp, 5)
+
+
+def assert_alternatives(lp: dict, k: int) -> None:
+    """Each position's top_logprobs: the k likeliest tokens and the sampled one (OpenAI: up to logprobs + 1), which
+    is the least likely of them when it is not among the k."""
+    for token, logprob, alternatives in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert alternatives[token] == logprob
+        assert len(alternatives) == k or (len(alternatives) == k + 1 and logprob == min(alternatives.values()))
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_completion_alternatives_hold_the_sampled_token(server: ServerThread, k: int) -> None:
+    """At a high temperature many sampled tokens are not the likeliest; logprobs: 0 gives the sampled one alone."""
+    body = {"prompt": "The weather today is", "max_tokens": 16, "logprobs": k, "temperature": 1.5, "seed": 3}
+    lp = post(server, "/completions", body)["choices"][0]["logprobs"]
+    assert_alternatives(lp, k)
+    assert any(len(alternatives) == k + 1 for alternatives in lp["top_logprobs"])
+    if k == 0:
+        assert all(alternatives == {token: logprob} for token, logprob, alternatives
+                   in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True))
 
 
 def test_a_hidden_special_token_keeps_its_logprob_and_adds_no_bytes(server: ServerThread) -> None:

@@ -66,6 +66,21 @@ def test_completions_stream_non_stream_and_token_prompts(client: openai.OpenAI) 
         model=MODEL, prompt=prompt, temperature=0, max_tokens=8).choices[0].text
 
 
+def test_echo_gives_back_the_prompt_as_sent(client: openai.OpenAI, server: ServerThread) -> None:
+    """Clients cut len(prompt) off an echoed text: a text prompt comes back verbatim, special tokens and all (OpenAI
+    and vLLM echo so), and token ids as their text with the special tokens kept."""
+    prompt = "<|im_start|>user\nhi<|im_end|>\n"
+    echoed = client.completions.create(model=MODEL, prompt=[prompt, "  two  spaces "], max_tokens=2, echo=True,
+                                       temperature=0)
+    answers = client.completions.create(model=MODEL, prompt=[prompt, "  two  spaces "], max_tokens=2,
+                                        temperature=0)
+    assert [c.text for c in echoed.choices] == [p + c.text for p, c in zip([prompt, "  two  spaces "],
+                                                                           answers.choices, strict=True)]
+    ids = server.engine.tokenizer.encode(prompt, add_special_tokens=False)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, echo=True, temperature=0)
+    assert by_ids.choices[0].text.startswith(prompt)
+
+
 def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
         return client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=1.0, max_tokens=24,

@@ -118,3 +118,18 @@ def test_a_byte_token_and_the_plain_token_of_its_byte_are_both_alternatives() ->
     assert tk.token_bytes(H) == tk.token_bytes(BYTE_H) == b"h"
     lp = completion_logprobs(tk, [TokenLogprob(H, -0.1, [(H, -0.1), (BYTE_H, -0.2), (HI, -0.3)])])
     assert lp["top_logprobs"] == [{"h": -0.1, f"token_id:{BYTE_H}": -0.2, "hi": -0.3}]
+
+
+def test_completion_alternatives_hold_the_sampled_token_too() -> None:
+    """OpenAI's legacy top_logprobs hold up to logprobs + 1 entries, the sampled token's among them (vLLM's too):
+    after the top ones when a temperature picked a less likely token, alone with logprobs: 0."""
+    tk = sentencepiece_like()
+    unlikely = TokenLogprob(HI, -3.0, [(H, -0.1), (SPACE_HI, -0.5)])
+    likely = TokenLogprob(H, -0.1, [(H, -0.1), (SPACE_HI, -0.5)])
+    lp = completion_logprobs(tk, [unlikely, likely, TokenLogprob(HI, -3.0, [])])
+    assert lp["top_logprobs"] == [{"h": -0.1, " hi": -0.5, "hi": -3.0}, {"h": -0.1, " hi": -0.5}, {"hi": -3.0}]
+    # chat lists exactly the top_logprobs asked for: the sampled token's own logprob is its entry's
+    assert [len(e["top_logprobs"]) for e in chat_logprobs(tk, [unlikely, TokenLogprob(HI, -3.0, [])])] == [2, 0]
+    # a sampled token whose text a likelier alternative already keys keeps its entry, keyed by its id
+    assert completion_logprobs(tk, [TokenLogprob(BYTE_H, -2.0, [(H, -0.1)])])["top_logprobs"] == [
+        {"h": -0.1, f"token_id:{BYTE_H}": -2.0}]

@@ -1,5 +1,6 @@
 """Tool calling's request side: a two-turn tool loop rendered by a template that knows tools, and by one that does
-not (the tools and past calls then appear in the model family's own format); the grammar of a forced call."""
+not (the tools and past calls then appear in the model family's own format); the grammar of a forced call; calls
+as the Responses stream's output items."""
 
 from __future__ import annotations
 
@@ -155,3 +156,61 @@ def test_parallel_tool_calls_false_answers_with_the_first_call_only(parallel: bo
     added = [e["item"]["name"] for e in asyncio.run(events()) if e["type"] == "response.output_item.added"
              and e["item"]["type"] == "function_call"]
     assert added == names
+
+
+def _stream_response(pieces: list[str], finish: str, parser: str | None = "hermes") -> tuple[list[dict], dict]:
+    """A Responses stream of an answer that comes in these pieces and ends so, and the Response not streamed."""
+    outs = [SequenceOutput(0, piece, [], [], finish if i == len(pieces) - 1 else None, 5, i + 1)
+            for i, piece in enumerate(pieces)]
+    request = ResponsesRequest(model="m", input="x", tools=[{"type": "function", "name": "get_weather"},
+                                                           {"type": "function", "name": "get_time"}])
+    tool_parser = PARSERS[parser] if parser else None
+
+    async def merged() -> AsyncIterator[tuple[int, SequenceOutput]]:
+        for out in outs:
+            yield 0, out
+
+    async def events() -> list[dict]:
+        return [e async for e in response_events(ResponseBuilder(request, "m", 5), merged(), tool_parser)]
+    return asyncio.run(events()), response_object(ResponseBuilder(request, "m", 5), outs, tool_parser)
+
+
+@pytest.mark.parametrize("size", [1, 7, 10_000])  # tokens' worth of text per output, or all at once
+def test_each_streamed_output_item_is_done_before_the_next_is_added(size: int) -> None:
+    """OpenAI's order: an item's deltas, its arguments.done (a call's), its output_item.done, then the next item's
+    output_item.added; with text, calls and text again in one output too."""
+    answer = "Let me check. " + TWO_CALLS + " Done."
+    events, whole = _stream_response([answer[i:i + size] for i in range(0, len(answer), size)], "stop")
+    open_item, closed = None, []
+    for e in events:
+        if e["type"] == "response.output_item.added":
+            assert open_item is None, "an item was added before the one before it was done"
+            open_item = e["item"]["id"]
+        elif e["type"] == "response.output_item.done":
+            assert e["item"]["id"] == open_item and e["item"]["status"] == "completed"
+            closed.append(e["item"])
+            open_item = None
+        elif "item_id" in e:
+            assert e["item_id"] == open_item, e
+    # all at once, the text after the calls joins the text before them: an output's order of text and calls is lost
+    after = ["message"] if size < len(answer) else []
+    assert open_item is None and [i["type"] for i in closed] == ["message", "function_call", "function_call", *after]
+    kinds = [e["type"] for e in events]
+    for done in (i for i, kind in enumerate(kinds) if kind == "response.function_call_arguments.done"):
+        assert kinds[done + 1] == "response.output_item.done"
+    final = events[-1]["response"]["output"]
+    assert final == closed and [(c["name"], c["arguments"]) for c in final if c["type"] == "function_call"] == [
+        (c["name"], c["arguments"]) for c in whole["output"] if c["type"] == "function_call"]
+
+
+def test_a_streamed_item_cut_by_max_output_tokens_is_incomplete_as_when_not_streamed() -> None:
+    events, whole = _stream_response(["Once upon", " a time"], "length", parser=None)
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [item["status"] for item in done] == [whole["output"][0]["status"]] == ["incomplete"]
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"
+    # a call the limit cut is the incomplete item, the text before it completed
+    events, _ = _stream_response(["Sure. ", '<tool_call>{"name": "get_weather", "arguments": {"city": "Par'], "length")
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(item["type"], item["status"]) for item in done] == [("message", "completed"),
+                                                                 ("function_call", "incomplete")]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,6 +58,13 @@ def domain_error_response(exc: TokenmillError) -> JSONResponse:
     return error_response(status, str(exc), type_, headers=headers)
 
 
+def _not_json(error: dict[str, Any], body: str) -> str:
+    """FastAPI's JSON decode error (the offset of the fault in its loc, the parser's message in its ctx, the body as
+    text) as a message that says where, in lines and columns."""
+    fault = json.JSONDecodeError(error["ctx"]["error"], body, error["loc"][-1])
+    return f"the body is not valid JSON: {fault.msg} at line {fault.lineno} column {fault.colno}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     @app.exception_handler(ServerBusyError)
@@ -67,6 +76,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc holds the offset of the fault, not a field
+            return error_response(400, _not_json(first, exc.body), "invalid_request_error")
         loc = [str(p) for p in first.get("loc", []) if p != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")

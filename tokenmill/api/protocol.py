@@ -44,9 +44,39 @@ def field_effect(model: type[BaseModel], name: str) -> tuple[str, str | None]:
     return ("no_effect" if extra[_EFFECT] == "none" else "refused"), str(extra["x-tokenmill-why"])
 
 
+def _invalid_unicode_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a parsed JSON value that is not valid Unicode (a lone surrogate escape such as
+    \\ud800 parses, but no tokenizer or template can take it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _invalid_unicode_at(key) is not None:
+            return path or "body"
+        found = _invalid_unicode_at(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 class RequestModel(BaseModel):
-    """The base of every request body: unknown fields and refused fields set to a value are 400s."""
+    """The base of every request body: unknown fields, refused fields set to a value and strings that are no
+    Unicode are 400s."""
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """Every string of a body, whichever field holds it, before any field is read (a model nested in a body
+        checks its part again, and finds nothing: the body's check ran first)."""
+        at = _invalid_unicode_at(data)
+        if at is not None:
+            raise RequestError(f"{at}: the text is not valid Unicode (a lone surrogate escape?)", param=at)
+        return data
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> RequestModel:
@@ -127,25 +157,6 @@ def json_or_text(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-def _invalid_unicode_at(value: Any, path: str = "") -> str | None:
-    """The path of the first string in a parsed JSON value that is not valid Unicode (a lone surrogate escape such as
-    \\ud800 parses, but no tokenizer or template can take it), or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        if isinstance(key, str) and _invalid_unicode_at(key) is not None:
-            return path or "body"
-        found = _invalid_unicode_at(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
-    return None
 
 
 class JsonSchemaFormat(RequestModel):
@@ -233,14 +244,6 @@ class SamplingFields(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        at = _invalid_unicode_at(data)
-        if at is not None:
-            raise RequestError(f"{at}: the text is not valid Unicode (a lone surrogate escape?)", param=at)
-        return data
 
     def structured_spec(self) -> tuple[StructuredSpec, str] | None:
         """What the output must match, and the field that asked (for errors); None: free text."""

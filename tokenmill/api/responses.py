@@ -87,14 +87,23 @@ def chat_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], shown: frozenset[
 
 
 def _alternatives(tokens: Callable[[int], str], top: list[tuple[int, float]]) -> dict[str, float]:
-    """The legacy API's top_logprobs dict, keyed by token text. Keys never collide, so `logprobs: k` gives k: a
-    token whose text a likelier one already keys (two ids, the same bytes: Gemma's `\\n` and its byte-fallback
-    token <0x0A>, say) is keyed `token_id:<id>` (vLLM's form for a token id)."""
+    """The legacy API's top_logprobs dict, keyed by token text. Keys never collide, so every token given keeps its
+    entry (`logprobs: k`: the k likeliest and the sampled one): a token whose text a likelier one already keys (two
+    ids, the same bytes: Gemma's `\\n` and its byte-fallback token <0x0A>, say) is keyed `token_id:<id>` (vLLM's
+    form for a token id)."""
     keyed: dict[str, float] = {}
     for token_id, logprob in top:
         text = tokens(token_id)
         keyed[f"token_id:{token_id}" if text in keyed else text] = logprob
     return keyed
+
+
+def _with_sampled(lp: TokenLogprob) -> list[tuple[int, float]]:
+    """The legacy API's alternatives hold the sampled token too, as OpenAI's (up to logprobs + 1 of them) and vLLM's
+    do: after the top ones when it is not among them (it is then no likelier than they are)."""
+    if any(token_id == lp.token_id for token_id, _ in lp.top):
+        return lp.top
+    return [*lp.top, (lp.token_id, lp.logprob)]
 
 
 class TextOffsets:
@@ -139,7 +148,7 @@ def completion_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], offsets: Te
     return {
         "tokens": [token(lp.token_id) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [_alternatives(token, lp.top) for lp in logprobs],
+        "top_logprobs": [_alternatives(token, _with_sampled(lp)) for lp in logprobs],
         "text_offset": [offsets.next(pieces.added(lp.token_id)) for lp in logprobs],
     }
 

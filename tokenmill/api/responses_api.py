@@ -249,6 +249,12 @@ class ResponseBuilder:
         return r
 
 
+def _last_item_status(out: SequenceOutput) -> str:
+    """The status of the output item the answer ended in: incomplete where it did not end on its own (cut by
+    max_output_tokens, or by an abort or an error)."""
+    return "completed" if out.finish_reason == "stop" else "incomplete"
+
+
 def response_object(builder: ResponseBuilder, outs: list[SequenceOutput],
                     tool_parser: type[ToolParser] | None) -> dict[str, Any]:
     """The whole Response of a request that was not streamed."""
@@ -256,22 +262,21 @@ def response_object(builder: ResponseBuilder, outs: list[SequenceOutput],
     content, calls = parse_tool_calls(tool_parser, text) if tool_parser else (text, [])
     calls = calls if builder.response["parallel_tool_calls"] else calls[:1]
     content = content or ""
-    status = "completed" if outs[-1].finish_reason == "stop" else "incomplete"
-    output = [_message_item(content, status)] if content or not calls else []
+    output = [_message_item(content, _last_item_status(outs[-1]))] if content or not calls else []
     output += [_call_item(call, "completed") for call in calls]
     builder.response["output"] = output
     return builder.finish(outs[-1])
 
 
 class _Events:
-    """The event sequence of one streamed Response, as output items open, grow and close."""
+    """The event sequence of one streamed Response. One output item is open at a time: the next one is added only
+    after the one before is done, as OpenAI orders them."""
 
     def __init__(self, response: dict[str, Any]) -> None:
         self.response = response
         self.sequence_number = 0
-        self.message: dict[str, Any] | None = None  # the open message item, while text streams into it
-        self.message_text = ""
-        self.calls: dict[int, dict[str, Any]] = {}  # a parser's call index -> its open item
+        self.item: dict[str, Any] | None = None  # the open item (a message or a function call), while it grows
+        self.message_text = ""  # the open message's text
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence_number += 1
@@ -280,57 +285,55 @@ class _Events:
     def _index(self, item: dict[str, Any]) -> int:
         return next(i for i, x in enumerate(self.response["output"]) if x is item)
 
-    def text(self, text: str) -> list[dict[str, Any]]:
-        events = []
-        if self.message is None:
-            self.message, self.message_text = {**_message_item("", "in_progress"), "content": []}, ""
-            self.response["output"].append(self.message)
-            index = self._index(self.message)
-            events += [self.event("response.output_item.added", output_index=index, item=dict(self.message)),
-                       self.event("response.content_part.added", item_id=self.message["id"], output_index=index,
-                                  content_index=0, part=_text_part(""))]
-        self.message_text += text
-        return events + [self.event("response.output_text.delta", item_id=self.message["id"],
-                                    output_index=self._index(self.message), content_index=0, delta=text, logprobs=[])]
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self.close("completed")  # a new item: the one before it is done
+        self.item = item
+        self.response["output"].append(item)
+        return events + [self.event("response.output_item.added", output_index=self._index(item), item=dict(item))]
 
-    def close_text(self) -> list[dict[str, Any]]:
-        message, text = self.message, self.message_text
-        if message is None:
-            return []
-        self.message = None
-        index = self._index(message)
-        message.update(status="completed", content=[_text_part(text)])
-        return [self.event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
-                           text=text, logprobs=[]),
-                self.event("response.content_part.done", item_id=message["id"], output_index=index,
-                           content_index=0, part=_text_part(text)),
-                self.event("response.output_item.done", output_index=index, item=dict(message))]
+    def text(self, text: str) -> list[dict[str, Any]]:
+        message, events = self.item, []
+        if message is None or message["type"] != "message":
+            message = {**_message_item("", "in_progress"), "content": []}
+            events += self._add(message)
+            self.message_text = ""
+            events.append(self.event("response.content_part.added", item_id=message["id"],
+                                     output_index=self._index(message), content_index=0, part=_text_part("")))
+        self.message_text += text
+        return events + [self.event("response.output_text.delta", item_id=message["id"],
+                                    output_index=self._index(message), content_index=0, delta=text, logprobs=[])]
 
     def call(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
-        events = []
-        if delta.name is not None:  # a new call: the text before it is done
-            events += self.close_text()
+        """The start of a new call (a delta with its name), or more of the open call's arguments."""
+        item, events = self.item, []
+        if delta.name is not None:
             item = _call_item(ToolCall(delta.name, ""), "in_progress")
-            self.calls[delta.index] = item
-            self.response["output"].append(item)
-            events.append(self.event("response.output_item.added", output_index=self._index(item), item=dict(item)))
-        item = self.calls[delta.index]
+            events += self._add(item)
         if delta.arguments:
+            assert item is not None  # a call's first delta names it, and opens its item
             item["arguments"] += delta.arguments
             events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
                                      output_index=self._index(item), delta=delta.arguments))
         return events
 
-    def close_all(self) -> list[dict[str, Any]]:
-        events = self.close_text()
-        for item in self.calls.values():
-            item["status"] = "completed"
-            index = self._index(item)
-            events += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=item["name"], arguments=item["arguments"]),
-                       self.event("response.output_item.done", output_index=index, item=dict(item))]
-        self.calls = {}
-        return events
+    def close(self, status: str) -> list[dict[str, Any]]:
+        """The done events of the open item, if any, which ends with this status."""
+        item, self.item = self.item, None
+        if item is None:
+            return []
+        index = self._index(item)
+        item["status"] = status
+        if item["type"] == "message":
+            text = self.message_text
+            item["content"] = [_text_part(text)]
+            events = [self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                 content_index=0, text=text, logprobs=[]),
+                      self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                 content_index=0, part=_text_part(text))]
+        else:
+            events = [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                 name=item["name"], arguments=item["arguments"])]
+        return events + [self.event("response.output_item.done", output_index=index, item=dict(item))]
 
 
 async def response_events(builder: ResponseBuilder, outputs: AsyncIterator[tuple[int, SequenceOutput]],
@@ -352,14 +355,19 @@ async def response_events(builder: ResponseBuilder, outputs: AsyncIterator[tuple
             parsed = [parser.feed(out.text)] + ([parser.finish()] if out.finish_reason is not None else [])
             pieces = [(p.content, [d for d in p.calls if r["parallel_tool_calls"] or d.index == 0]) for p in parsed]
         for content, deltas in pieces:
-            for e in (events.text(content) if content else []) + [e for d in deltas for e in events.call(d)]:
+            # A piece's text and calls come apart; no text is inside a call, so its text goes after the deltas that
+            # go on with the open call and before the calls the piece starts.
+            going_on = next((i for i, d in enumerate(deltas) if d.name is not None), len(deltas))
+            in_order = [e for d in deltas[:going_on] for e in events.call(d)] + \
+                (events.text(content) if content else []) + [e for d in deltas[going_on:] for e in events.call(d)]
+            for e in in_order:
                 yield e
     if last is None:
         return
     if not r["output"] and last.finish_reason != "error":  # an empty answer is still a message
         for e in events.text(""):
             yield e
-    for e in events.close_all():
+    for e in events.close(_last_item_status(last)):
         yield e
     builder.finish(last)
     kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(r["status"], "response.failed")

@@ -28,6 +28,7 @@ from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import ModelFormatError, ModelNotFoundError, NotFoundError, RequestError
 from tokenmill.loader.chat_template import ChatTemplate
+from tokenmill.loader.tokenizer import Tokenizer
 from tokenmill.sampling import SamplingParams
 from tokenmill.structured import StructuredSpec
 from tokenmill.structured.backend import CompiledGrammar
@@ -258,9 +259,15 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
         return Response(status_code=499)
-    echoes = [tk.decode(p) if body.echo else "" for p in prompts for _ in range(body.n)]
+    echoes = [_echoed(p, tk) if body.echo else "" for p in body.prompts() for _ in range(body.n)]
     return responses.completion(request_id, serving.model_id, prompt_tokens, results, echoes, body.n, tk,
                                 serving.engine.system_fingerprint)
+
+
+def _echoed(prompt: str | list[int], tk: Tokenizer) -> str:
+    """A prompt as echo shows it: as sent, special tokens and all, for clients cut len(prompt) off the text (OpenAI
+    and vLLM echo so); token ids decoded with their special tokens."""
+    return prompt if isinstance(prompt, str) else tk.decode(prompt, skip_special_tokens=False)
 
 
 @router.post("/v1/embeddings")
