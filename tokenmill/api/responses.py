@@ -137,19 +137,21 @@ def _utf8_prefix(data: bytes) -> bool:
     return True
 
 
-def completion_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], offsets: TextOffsets | None = None
-                        ) -> dict[str, Any]:
-    """offsets: the choice's offsets so far (a stream's, chunk after chunk); a new count from 0 if None."""
+def completion_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], offsets: TextOffsets | None = None,
+                        first_token: int | None = None) -> dict[str, Any]:
+    """offsets: the choice's offsets so far (a stream's, chunk after chunk); a new count from 0 if None.
+    first_token: an echoed prompt's first token, before the entries, which has no logprob (null, as OpenAI gives)."""
     pieces, offsets = _Pieces(tk), offsets or TextOffsets()
+    first = [] if first_token is None else [first_token]
 
     def token(token_id: int) -> str:
         return _completion_token(pieces.name(token_id))
 
     return {
-        "tokens": [token(lp.token_id) for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [_alternatives(token, _with_sampled(lp)) for lp in logprobs],
-        "text_offset": [offsets.next(pieces.added(lp.token_id)) for lp in logprobs],
+        "tokens": [token(t) for t in first] + [token(lp.token_id) for lp in logprobs],
+        "token_logprobs": [None for _ in first] + [lp.logprob for lp in logprobs],
+        "top_logprobs": [None for _ in first] + [_alternatives(token, _with_sampled(lp)) for lp in logprobs],
+        "text_offset": [offsets.next(pieces.added(t)) for t in first + [lp.token_id for lp in logprobs]],
     }
 
 
@@ -211,14 +213,19 @@ def chat_completion(request_id: str, model: str, prompt_tokens: int, results: li
 
 
 def completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
-               echoes: list[str], n: int, tk: Tokenizer, fingerprint: str | None = None) -> dict[str, Any]:
+               echoes: list[str], prompts: list[list[int]], n: int, tk: Tokenizer,
+               fingerprint: str | None = None) -> dict[str, Any]:
+    """echoes, prompts: each choice's echoed text (or none) and prompt ids; echoed with logprobs, its first
+    output's prompt_logprobs lead the choice's entries."""
     choices, completion_tokens = [], 0
-    for index, (outs, echo) in enumerate(zip(results, echoes, strict=True)):
+    for index, (outs, echo, prompt) in enumerate(zip(results, echoes, prompts, strict=True)):
         text, logprobs, finish, n_tokens = _joined(outs)
         completion_tokens += n_tokens
+        echoed = outs[0].prompt_logprobs
         choices.append({
             "index": index, "text": echo + text,
-            "logprobs": completion_logprobs(tk, logprobs) if logprobs else None,
+            "logprobs": None if not logprobs and echoed is None else completion_logprobs(
+                tk, [*(echoed or []), *logprobs], first_token=None if echoed is None else prompt[0]),
             "finish_reason": finish,
         })
     cached = _cached({i: outs[-1].cached_tokens for i, outs in enumerate(results)}, n)

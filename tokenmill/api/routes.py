@@ -243,8 +243,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     serving = _serving(request)
     _check_model(serving, body.model)
     params = body.sampling_params(serving.config)
-    if body.echo and body.logprobs is not None:
-        raise RequestError("echo with logprobs is not supported", param="echo")
+    if body.echo and body.logprobs is not None:  # the prompt's tokens get entries too (lm-eval's loglikelihood)
+        params = replace(params, prompt_logprobs=body.logprobs)
     tk = serving.engine.tokenizer
     grammar = await _grammar(serving, body.structured_spec())
     prompts = await asyncio.to_thread(lambda: [tk.encode(p) if isinstance(p, str) else p for p in body.prompts()])
@@ -260,7 +260,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if results is None:
         return Response(status_code=499)
     echoes = [_echoed(p, tk) if body.echo else "" for p in body.prompts() for _ in range(body.n)]
-    return responses.completion(request_id, serving.model_id, prompt_tokens, results, echoes, body.n, tk,
+    return responses.completion(request_id, serving.model_id, prompt_tokens, results, echoes,
+                                [p for p in prompts for _ in range(body.n)], body.n, tk,
                                 serving.engine.system_fingerprint)
 
 
