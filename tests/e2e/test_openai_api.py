@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -84,19 +85,24 @@ def test_echo_gives_back_the_prompt_as_sent(client: openai.OpenAI, server: Serve
 def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, server: ServerThread) -> None:
     """lm-eval's loglikelihood request (echo, logprobs, one token out): the prompt's tokens lead the entries, the
     first with a null logprob and alternatives (as OpenAI gives), each other the model's logprob of that token after
-    those before it: what a completion of the shorter prompt reports when it samples that token."""
-    prompt = "The capital of France is Paris"
-    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=2, temperature=0)
-    lp, ids = out.choices[0].logprobs, server.engine.tokenizer.encode(prompt)
-    assert out.choices[0].text.startswith(prompt) and len(lp.tokens) == len(ids) + 1
-    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert "".join(lp.tokens[:len(ids)]) == prompt and lp.text_offset[len(ids)] == len(prompt)
+    those before it: what a completion of the shorter prompt reports when it samples that token. A prompt's special
+    tokens show in its echo, and count in the offsets."""
+    def scored(prompt: str, k: int) -> tuple[str, Any, list[int]]:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=k,
+                                        temperature=0)
+        return out.choices[0].text, out.choices[0].logprobs, server.engine.tokenizer.encode(prompt)
+
+    text, lp, ids = scored("The capital of France is Paris", 2)
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:len(ids)]) == text[:lp.text_offset[len(ids)]] == "The capital of France is Paris"
     assert all(len(top) in (2, 3) for top in lp.top_logprobs[1:])
     for cut in (2, len(ids) - 1):  # " of" after "The capital"; " Paris" after the rest
         forced = client.completions.create(model=MODEL, prompt=ids[:cut], max_tokens=1, logprobs=0, temperature=0,
                                            logit_bias={str(ids[cut]): 100})  # logprobs are before the bias
         assert forced.choices[0].logprobs.tokens[0] == lp.tokens[cut]
         assert abs(forced.choices[0].logprobs.token_logprobs[0] - lp.token_logprobs[cut]) < 1e-3
+    text, lp, ids = scored("<|im_start|>user\nhi<|im_end|>\n", 0)
+    assert all(text[at:].startswith(token) for at, token in zip(lp.text_offset[:len(ids)], lp.tokens, strict=False))
 
 
 def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:

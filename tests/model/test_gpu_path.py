@@ -102,13 +102,13 @@ def test_llama_steps_and_the_decode_graphs_static_step_through_the_gpu_kernels(l
     monkeypatch.setattr(gpu, "pdl_ready", lambda device: True)
     without_pdl_waits(monkeypatch)
     launches: list[bool] = []
-    options = gpu._launch
+    options = gpu._pdl_options
 
     def recorded(device):
         launches.append(options(device).get("launch_pdl", False))
         return options(device)
 
-    monkeypatch.setattr(gpu, "_launch", recorded)
+    monkeypatch.setattr(gpu, "_pdl_options", recorded)
     assert run(llama, graphs=True, row_matmul=row_matmul, pdl=pdl) == llama_tokens
     assert set(on_triton) == EVERY_KERNEL | {"combine_splits"} | ({"row_matmul"} if row_matmul else set())
     assert len(launches) == len(on_triton) and set(launches) == {pdl}

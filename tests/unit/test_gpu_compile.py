@@ -198,5 +198,5 @@ def _compile_launches(arch: int, dtype: torch.dtype, pdl: bool) -> list[Build]:
 if __name__ == "__main__":
     from tokenmill.kernels import gpu
 
-    with gpu._launching(pdl=sys.argv[3] == "pdl"):
+    with gpu._pdl_forced(pdl=sys.argv[3] == "pdl"):
         print(json.dumps(_compile_launches(int(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3] == "pdl")))

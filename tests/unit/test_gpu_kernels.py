@@ -259,7 +259,7 @@ def test_row_matmul_with_its_first_weights_loaded_before_its_wait_gives_the_same
         fused["residual"] = residual.to(device, torch.bfloat16)
     results = []
     for pdl in (False, True):
-        with gpu._launching(pdl=pdl):
+        with gpu._pdl_forced(pdl=pdl):
             results.append(gpu.row_matmul(x.to(device), weight, None, prologue, **fused))
     exact = {} if device == "cuda" else {"atol": 0, "rtol": 0}  # a GPU's compiler may order the sums otherwise
     torch.testing.assert_close(results[1][0], results[0][0], **exact)

@@ -120,6 +120,13 @@ def test_without_chunked_prefill_the_first_prompt_waiting_runs_alone_if_it_fits_
     alone = step(sched)
     assert alone[0] == (9, prompt_len) and all(seq_id >= 9 for seq_id, _ in alone)  # what is left of the budget
     assert step(sched)[:5] == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 1)]  # the decodes go on
+    short, _ = scheduler(num_blocks=10, max_num_batched_tokens=16, chunked_prefill=False)
+    for i in range(2):
+        short.add(make(i, 12))
+    assert step(short) + step(short) == [(0, 12), (0, 1), (1, 12)]
+    short.add(make(9, 20))  # no KV room for it beside the decodes: it waits, and nobody overtakes it
+    short.add(make(10, 3))
+    assert step(short) == [(0, 1), (1, 1)]
 
 
 def test_preempts_the_newest_and_resumes_it_first() -> None:

@@ -148,7 +148,8 @@ def _special_ids(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     return [i for i in ids if i in tokenizer.special_ids]
 
 
-@pytest.mark.parametrize("conversation", ["one message", "a later message", "a tool's description"])
+@pytest.mark.parametrize("conversation", ["one message", "a later message", "a tool's description",
+                                          "a tool's parameter name"])
 def test_special_token_text_in_a_request_stays_text(smollm_tokenizer: Tokenizer, smollm_template: ChatTemplate,
                                                      conversation: str) -> None:
     """Only the chat template's own special tokens are control tokens: the prompt's text comes back whole, and its
@@ -156,7 +157,7 @@ def test_special_token_text_in_a_request_stays_text(smollm_tokenizer: Tokenizer,
     template's own turn markers also spell after an earlier message; a search of the prompt for it used to match
     there, reading the user's markers as control tokens."""
     tk = smollm_tokenizer
-    if conversation == "a tool's description":
+    if conversation.startswith("a tool's"):  # a template that writes its tools as JSON
         source = ("{% for t in tools %}<|im_start|>tool\n{{ t | tojson }}<|im_end|>\n{% endfor %}"
                   "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
         template = ChatTemplate(source, tk.bos_token, tk.eos_token)
@@ -165,8 +166,13 @@ def test_special_token_text_in_a_request_stays_text(smollm_tokenizer: Tokenizer,
         def render(values):
             return template.render(values[0], tools=values[1], timeout=5, max_chars=100_000)
 
-        inputs: tuple = ([{"role": "user", "content": "hi"}], [{"name": "add", "description": hostile}])
-        benign: tuple = (inputs[0], [{"name": "add", "description": "Adds."}])
+        def tool(text: str) -> dict:
+            if conversation == "a tool's description":
+                return {"name": "add", "description": text}
+            return {"name": "add", "parameters": {"properties": {text: {"type": "string"}}}}  # a dict's key
+
+        inputs: tuple = ([{"role": "user", "content": "hi"}], [tool(hostile)])
+        benign: tuple = (inputs[0], [tool("Adds.")])
     else:
         def render(messages):
             return smollm_template.render(messages, timeout=5, max_chars=100_000)

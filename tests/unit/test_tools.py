@@ -214,3 +214,9 @@ def test_a_streamed_item_cut_by_max_output_tokens_is_incomplete_as_when_not_stre
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert [(item["type"], item["status"]) for item in done] == [("message", "completed"),
                                                                  ("function_call", "incomplete")]
+    # a whole call, then the limit: the call is the item the answer ended in, streamed or not
+    events, whole = _stream_response(["Sure. ", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                                                "</tool_call>"], "length")
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["status"]) for i in done] == [(i["type"], i["status"]) for i in whole["output"]] == [
+        ("message", "completed"), ("function_call", "incomplete")]

@@ -97,7 +97,7 @@ class EngineClient:
         limit, slots = engine.config.max_queued_requests, engine.config.max_num_seqs
         if count > slots + limit:
             raise RequestError(f"the request asks for {count} sequences (prompts x n); this server runs {slots} "
-                               f"and queues {limit} at once")
+                               f"and queues {limit} at once", param="n")
         if engine.waiting_with(count) > limit:
             raise ServerBusyError(f"The server is busy: {engine.waiting_with(0)} sequences are waiting, the queue "
                                   f"holds {limit}. Retry later.")

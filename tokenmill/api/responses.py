@@ -138,20 +138,23 @@ def _utf8_prefix(data: bytes) -> bool:
 
 
 def completion_logprobs(tk: Tokenizer, logprobs: list[TokenLogprob], offsets: TextOffsets | None = None,
-                        first_token: int | None = None) -> dict[str, Any]:
+                        echoed: list[int] | None = None) -> dict[str, Any]:
     """offsets: the choice's offsets so far (a stream's, chunk after chunk); a new count from 0 if None.
-    first_token: an echoed prompt's first token, before the entries, which has no logprob (null, as OpenAI gives)."""
+    echoed: an echoed prompt's ids, whose tokens after the first lead the entries; the first comes before them with
+    no logprob (null, as OpenAI gives), and their special tokens show in the echoed text."""
     pieces, offsets = _Pieces(tk), offsets or TextOffsets()
-    first = [] if first_token is None else [first_token]
+    first, prompt = ([], 0) if echoed is None else (echoed[:1], len(echoed))
+    in_prompt = _Pieces(tk, frozenset(tk.special_ids))
 
     def token(token_id: int) -> str:
         return _completion_token(pieces.name(token_id))
 
+    ids = first + [lp.token_id for lp in logprobs]
     return {
-        "tokens": [token(t) for t in first] + [token(lp.token_id) for lp in logprobs],
+        "tokens": [token(t) for t in ids],
         "token_logprobs": [None for _ in first] + [lp.logprob for lp in logprobs],
         "top_logprobs": [None for _ in first] + [_alternatives(token, _with_sampled(lp)) for lp in logprobs],
-        "text_offset": [offsets.next(pieces.added(t)) for t in first + [lp.token_id for lp in logprobs]],
+        "text_offset": [offsets.next((in_prompt if i < prompt else pieces).added(t)) for i, t in enumerate(ids)],
     }
 
 
@@ -225,7 +228,7 @@ def completion(request_id: str, model: str, prompt_tokens: int, results: list[li
         choices.append({
             "index": index, "text": echo + text,
             "logprobs": None if not logprobs and echoed is None else completion_logprobs(
-                tk, [*(echoed or []), *logprobs], first_token=None if echoed is None else prompt[0]),
+                tk, [*(echoed or []), *logprobs], echoed=None if echoed is None else prompt),
             "finish_reason": finish,
         })
     cached = _cached({i: outs[-1].cached_tokens for i, outs in enumerate(results)}, n)

@@ -262,8 +262,9 @@ def response_object(builder: ResponseBuilder, outs: list[SequenceOutput],
     content, calls = parse_tool_calls(tool_parser, text) if tool_parser else (text, [])
     calls = calls if builder.response["parallel_tool_calls"] else calls[:1]
     content = content or ""
-    output = [_message_item(content, _last_item_status(outs[-1]))] if content or not calls else []
+    output = [_message_item(content, "completed")] if content or not calls else []
     output += [_call_item(call, "completed") for call in calls]
+    output[-1]["status"] = _last_item_status(outs[-1])  # the item the answer ended in, as a stream closes it
     builder.response["output"] = output
     return builder.finish(outs[-1])
 

@@ -369,11 +369,9 @@ class Engine:
     def _emit(self, seqs: list[Sequence], logprobs: list[list[TokenLogprob | None]]) -> None:
         """Turn the step's new tokens into outputs: text, stop strings (which finish a sequence), timings."""
         now = time.perf_counter()
-        generated = sum(len(seq.output_ids) - seq.num_sent_tokens for seq in seqs)
-        self.metrics.generation_tokens.inc(generated)
-        self.metrics.rates.add(time.time(), generated=generated)
         self.metrics.observe_tokens([now - seq.arrival_time for seq in seqs if not seq.num_sent_tokens],
                                     [now - seq.last_token_time for seq in seqs if seq.num_sent_tokens])
+        generated = 0
         for seq, logprob in zip(seqs, logprobs, strict=True):
             seq.last_token_time = now
             try:
@@ -383,7 +381,10 @@ class Engine:
                 log.error("output of sequence %d failed:\n%s", seq.seq_id, traceback.format_exc())
                 self._fail(seq, "internal error while decoding the output")
                 continue
+            generated += len(seq.output_ids) - seq.num_sent_tokens  # what a stop string left of the step's
             self._send(seq)
+        self.metrics.generation_tokens.inc(generated)
+        self.metrics.rates.add(time.time(), generated=generated)
 
     def _detokenize(self, seq: Sequence, logprob: list[TokenLogprob | None]) -> None:
         """The sequence's new tokens (and their logprobs) into its text; a stop string ends the sequence at the

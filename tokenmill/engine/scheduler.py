@@ -163,12 +163,13 @@ class Scheduler:
             cached = 0 if whole else self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
             seq.num_computed_tokens = cached
             n = self._chunk(seq, budget)
-            if n == 0 and head and whole_prompts:
+            alone = n == 0 and head and whole_prompts
+            if alone:
                 n = self._alone(seq, plan, budget)
             if n == 0 or not self._reserve(seq, n):
                 self.kv.free(seq.seq_id)  # drop the prefix references; it is looked up again next time
                 seq.num_computed_tokens = 0
-                if n == 0:
+                if n == 0 and not alone:  # out of this step's budget, not of memory
                     continue
                 return
             if seq.num_cached_tokens is None:  # first admission (not a resume after preemption)

@@ -60,7 +60,7 @@ def ready(device: torch.device) -> bool:
     if not available():
         return False
     try:
-        with _launching(pdl=False):
+        with _pdl_forced(pdl=False):
             for dtype in (torch.float32, torch.bfloat16):
                 if not all(bool(out.isfinite().all()) for out in _each_kernel(device, dtype)):
                     raise RuntimeError(f"a kernel gave non-finite results in {dtype}")
@@ -112,7 +112,7 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
 # one-stream decode step is a chain of ~200 short kernels, each of which otherwise starts only when the last has
 # ended; row_matmul reads its weights before its wait, as the kernel before finishes.
 _pdl = [True]  # the A/B switch: EngineConfig.gpu_pdl (Engine._setup)
-_forced_pdl: list[bool | None] = [None]  # set by _launching: the probes, and the compile tests
+_forced_pdl: list[bool | None] = [None]  # set by _pdl_forced: the probes, and the compile tests
 
 
 def use_pdl(on: bool) -> None:
@@ -120,7 +120,7 @@ def use_pdl(on: bool) -> None:
 
 
 @contextlib.contextmanager
-def _launching(pdl: bool) -> Iterator[None]:
+def _pdl_forced(pdl: bool) -> Iterator[None]:
     """Launch the kernels with PDL or without, whatever the switch and the device."""
     _forced_pdl[0] = pdl
     try:
@@ -129,7 +129,7 @@ def _launching(pdl: bool) -> Iterator[None]:
         _forced_pdl[0] = None
 
 
-def _launch(device: torch.device) -> dict[str, bool]:
+def _pdl_options(device: torch.device) -> dict[str, bool]:
     """Every launch's PDL options: the kernel's constexpr, and with it Triton's launch flag (a kernel launched so
     must wait in itself), which a Triton older than 3.4 lacks and refuses: passed only when on."""
     on = _forced_pdl[0] if _forced_pdl[0] is not None else _pdl[0] and pdl_ready(device)
@@ -147,9 +147,9 @@ def pdl_ready(device: torch.device) -> bool:
     try:
         chain, x = _decode_chain(device)
         inputs = [torch.randn_like(x) for _ in range(3)]
-        with _launching(pdl=False):
+        with _pdl_forced(pdl=False):
             expected = [chain(i) for i in inputs]
-        with _launching(pdl=True):
+        with _pdl_forced(pdl=True):
             eager = chain(inputs[0])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -247,11 +247,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2),
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, IEEE=_ieee(q.dtype), **_launch(q.device))
+        BLOCK_N=block_n, IEEE=_ieee(q.dtype), **_pdl_options(q.device))
     if splits > 1:
         _kernels().combine_splits[(b, heads)](
             part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
-            SPLITS_PAD=MAX_SPLITS, DIM=dim, DIM_PAD=_pow2(dim), **_launch(q.device))
+            SPLITS_PAD=MAX_SPLITS, DIM=dim, DIM_PAD=_pow2(dim), **_pdl_options(q.device))
     return out
 
 
@@ -284,7 +284,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=heads // k_cache.shape[2], DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=_key_tile(dim, q.dtype), IEEE=_ieee(q.dtype),
         num_warps=8 if dim > 128 else 4,  # a wide head's accumulator: 4 warps spilled registers in fp32
-        **_launch(q.device))
+        **_pdl_options(q.device))
     return out
 
 
@@ -294,7 +294,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     r = x if residual is None else residual
     _kernels().rms_norm[(x.shape[0],)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), x.shape[1], eps,
                                        HAS_RESIDUAL=residual is not None, BLOCK=_pow2(x.shape[1]),
-                                       **_launch(x.device))
+                                       **_pdl_options(x.device))
     return out
 
 
@@ -304,7 +304,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, cols, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(cols))
     _kernels().silu_mul[(tokens, -(-cols // block))](gate_up, out, gate_up.stride(0), out.stride(0), cols,
-                                                     BLOCK=block, **_launch(gate_up.device))
+                                                     BLOCK=block, **_pdl_options(gate_up.device))
     return out
 
 
@@ -318,7 +318,7 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     q = torch.empty(tokens, heads, dim, dtype=qkv.dtype, device=qkv.device)
     _kernels().rope_store_kv[(tokens, heads + kv_heads)](
         qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(1),
-        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_PAD=_pow2(dim // 2), **_launch(qkv.device))
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_PAD=_pow2(dim // 2), **_pdl_options(qkv.device))
     return q
 
 
@@ -350,7 +350,7 @@ class QuantizedRows:
         _kernels().dequantize[(-(-n // block_n), -(-cols // block_k))](
             self.q, self.scales, self.scales if self.mins is None else self.mins, self.q if rows is None else rows,
             out, n, cols, self.q.stride(0), self.scales.stride(0), out.stride(0), **self.format(),
-            HAS_INDEX=rows is not None, BLOCK_N=block_n, BLOCK_K=block_k, **_launch(self.q.device))
+            HAS_INDEX=rows is not None, BLOCK_N=block_n, BLOCK_K=block_k, **_pdl_options(self.q.device))
         return out
 
     def format(self) -> dict[str, int | bool]:
@@ -416,5 +416,5 @@ def row_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedRows, bias: torc
         0 if stream is None else stream.stride(0), out.stride(0), w.stride(0), scales.stride(0),
         PROLOGUE=_PROLOGUES[prologue], HAS_BIAS=bias is not None, **layout,
         BLOCK_M=block_m, BLOCK_N=ROW_OUTPUTS, BLOCK_K=min(_pow2(cols), ROW_COLUMNS // block_m), num_warps=4,
-        **_launch(x.device))
+        **_pdl_options(x.device))
     return out, stream

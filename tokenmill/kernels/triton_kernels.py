@@ -328,6 +328,8 @@ def row_matmul(x_ptr, residual_ptr, norm_ptr, w_ptr, scales_ptr, mins_ptr, bias_
     for k0 in range(0, cols, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < cols
+        # With PDL the first pass's parts came before the wait; each later pass loads its own. (Without, every pass
+        # loads here: parts defined before the loop would be carried through it, costing registers.)
         if PDL:
             if k0 > 0:
                 codes, high, scales, mins = weight_parts(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols,

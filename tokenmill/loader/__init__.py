@@ -53,9 +53,14 @@ def _return_freed_memory() -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device named, a GPU with its index (cuda: the current one), as its tensors name it: what is cached per
+    device (gpu.ready, gpu.pdl_ready) is then asked once, for the device the kernels run on."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -28,9 +28,10 @@ END_OF_TURN_TEXTS = frozenset({
 
 # Prompt tokens a decode stream starts from, so that word-boundary spaces come out right.
 _STREAM_CONTEXT_TOKENS = 5
-# Stands in for each character of special-token text in a request's values (Tokenizer.encode_chat): printable
-# ASCII, which a template's JSON of a tool leaves as it is; no special token's text is tildes alone.
-MASK = "~"
+# What stands in for each character of special-token text in a request's values (Tokenizer.encode_chat): the first
+# that no special token's text holds (so no special token is found across a mask and the template's text around
+# it); printable ASCII, which a template's JSON of a tool leaves as it is.
+_MASKS = "~^`#$%"
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
@@ -138,6 +139,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self._special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self.special_tokens = list(self._special_ids)
+        self._mask = next((c for c in _MASKS if not any(c in t for t in self.special_tokens)), _MASKS[0])
         # The ids a decode with special tokens skipped leaves out (the detokenizer's, unless it is told to show one).
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         # End-of-generation ids: the declared eos plus every special end-of-turn token of the vocabulary.
@@ -205,11 +207,9 @@ class Tokenizer:
         strings) with special tokens only where the chat template writes them: special-token text in the values
         (a message, a tool's description or arguments) stays text, wherever it lands in the prompt.
 
-        Where the values hold such text, they are rendered a second time with it masked (MASK for each
-        character): the special tokens of that prompt are the template's own, at the same places. (Before, the
-        text was searched for in the prompt, and a message the template's own turn markers also spelled out
-        earlier was matched there, its markers read as control tokens.) Values without it render once and
-        tokenize exactly as the model's reference tokenizer would.
+        Where the values hold such text, they are rendered a second time with it masked (a character no special
+        token holds, for each of its characters): the special tokens of that prompt are the template's own, at the
+        same places. Values without it render once and tokenize exactly as the model's reference tokenizer would.
         """
         prompt = render(inputs)
         masked = self._masked(inputs)
@@ -217,8 +217,8 @@ class Tokenizer:
             return self._one_bos(self._tok.encode(prompt, add_special_tokens=False).ids)
         template_only = render(masked)
         if len(template_only) != len(prompt) or any(
-                a != b and b != MASK for a, b in zip(prompt, template_only, strict=True)):
-            raise RequestError("a message holds special-token text that the chat template rewrites; "
+                a != b and b != self._mask for a, b in zip(prompt, template_only, strict=True)):
+            raise RequestError("a message or tool holds special-token text that the chat template rewrites; "
                                "tokenmill refuses it rather than read it as control tokens", param="messages")
         ids: list[int] = []
         cursor = 0
@@ -229,11 +229,13 @@ class Tokenizer:
         return self._one_bos(ids + self._plain.encode(prompt[cursor:], add_special_tokens=False).ids)
 
     def _masked(self, value: Any) -> Any:
-        """value with each special token's text in its strings masked by as many MASK characters."""
+        """value with each special token's text in its strings masked, a mask character for each of its own."""
         if isinstance(value, str):
-            return self._special_text.sub(lambda m: MASK * len(m.group()), value) if self.special_tokens else value
-        if isinstance(value, dict):
-            return {k: self._masked(v) for k, v in value.items()}
+            if not self.special_tokens:
+                return value
+            return self._special_text.sub(lambda m: self._mask * len(m.group()), value)
+        if isinstance(value, dict):  # keys too: a call's arguments, a schema's property names
+            return {self._masked(k): self._masked(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return type(value)(self._masked(v) for v in value)
         return value
@@ -288,7 +290,7 @@ class Tokenizer:
             try:
                 text = stream.step(self._tok, token_id)
             except Exception as exc:
-                if "Invalid prefix" not in str(exc):
+                if "Invalid prefix" not in str(exc):  # the message of tokenizers 0.22-0.23
                     raise
                 # Byte-fallback pieces that are no UTF-8 (a model may sample a stray byte, after "é": C3 A9 A9)
                 # decode as one run of U+FFFD, which undoes text the stream gave already: it cannot go on (vLLM
