@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,9 +44,10 @@ def _ptxas() -> Path | None:
 
 DTYPES = ("bfloat16", "float32")
 PDL = "bfloat16, launched with PDL"
-# (model, kernel, shared memory in bytes, the build's hash, and in its PTX: -1 without PDL's wait and launch of the
-# next kernel, else the global loads before the wait)
-Build = tuple[str, str, int, str, int]
+# (model, kernel, shared memory in bytes, the build's hash, and in its PTX: None without PDL's wait and launch of the
+# next kernel, else the kernel parameters whose pointers the global loads before the wait read from)
+Build = tuple[str, str, int, str, list[int] | None]
+ROW_MATMUL_WEIGHTS = {3, 4, 5}  # row_matmul's w_ptr, scales_ptr, mins_ptr
 
 
 @pytest.fixture(scope="module")
@@ -92,22 +94,38 @@ def test_launched_with_pdl_each_kernel_waits_and_only_row_matmul_reads_weights_b
         builds: dict[str, list[Build]]) -> None:
     """With programmatic dependent launch a kernel runs while the one before it finishes: each must wait for its
     writes before reading (or writing) anything, and let the next kernel start. row_matmul alone reads before the
-    wait, its weights, which no kernel writes: that read is what PDL overlaps with the kernel before. Plain launches
-    carry no wait."""
+    wait, and only its weights, which no kernel writes (traced in the PTX from the parameters to the loads' addresses):
+    that read is what PDL overlaps with the kernel before. Plain launches carry no wait."""
     pdl = builds[PDL]
     assert {build[1] for build in pdl} == {build[1] for build in builds["bfloat16"]}
-    assert all(build[4] >= 0 for build in pdl), [build for build in pdl if build[4] < 0]
-    assert {build[1] for build in pdl if build[4] > 0} == {"row_matmul"}
-    assert all(build[4] > 0 for build in pdl if build[1] == "row_matmul")
-    assert all(build[4] == -1 for build in builds["bfloat16"] + builds["float32"])
+    assert all(build[4] is not None for build in pdl), [build for build in pdl if build[4] is None]
+    assert all(build[4] == [] for build in pdl if build[1] != "row_matmul")
+    assert all(build[4] and set(build[4]) <= ROW_MATMUL_WEIGHTS for build in pdl if build[1] == "row_matmul")
+    assert all(build[4] is None for build in builds["bfloat16"] + builds["float32"])
 
 
-def _pdl_reads(ptx: str) -> int:
-    """-1 unless the PTX waits for the kernel before and launches the next (griddepcontrol), else the global loads
-    it makes before the wait."""
+def _pdl_reads(ptx: str) -> list[int] | None:
+    """None unless the PTX waits for the kernel before and launches the next (griddepcontrol), else the pointer
+    parameters its global loads before the wait read from: each register is traced to the parameters it was computed
+    from, instruction by instruction (the code before the wait runs straight, without branches)."""
     if "griddepcontrol.wait" not in ptx or "griddepcontrol.launch_dependents" not in ptx:
-        return -1
-    return ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
+        return None
+    derived: dict[str, set[int]] = {}
+    reads: set[int] = set()
+    for line in ptx[:ptx.index("griddepcontrol.wait")].splitlines():
+        code = re.sub(r"^@!?%\w+\s+", "", line.split("//")[0].strip()).rstrip(";")
+        opcode, _, operands = code.partition("\t") if "\t" in code else code.partition(" ")
+        if not operands or "," not in operands:
+            continue
+        dst, _, src = operands.partition("}") if operands.lstrip().startswith("{") else operands.partition(",")
+        sources = {int(p) for p in re.findall(r"_param_(\d+)", src)}
+        sources = sources.union(*(derived.get(r, set()) for r in re.findall(r"%\w+", src)))
+        if opcode.startswith("ld.global"):
+            reads |= sources  # where it reads; the values it loads point nowhere
+        else:
+            derived.update(dict.fromkeys(re.findall(r"%\w+", dst), sources))
+    pointers = {int(p) for p in re.findall(r"\.param \.u64 \.ptr[^\n]*_param_(\d+)", ptx)}  # not strides, sizes
+    return sorted(reads & pointers)
 
 
 def _compile_launches(arch: int, dtype: torch.dtype, pdl: bool) -> list[Build]:
