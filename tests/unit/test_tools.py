@@ -158,6 +158,31 @@ def test_parallel_tool_calls_false_answers_with_the_first_call_only(parallel: bo
     assert added == names
 
 
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_an_answer_cut_inside_a_call_does_not_ask_to_run_it(finish: str) -> None:
+    """A stop string (or an end token) that cuts a call leaves arguments no client could run: the answer is all
+    content, finish_reason stop, streamed or not (it once said tool_calls, with '{"city": "Par' as arguments). Cut
+    by the token limit, the call stays as written with finish_reason length, as OpenAI's."""
+    hermes, cut = PARSERS["hermes"], 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    outs = [SequenceOutput(0, cut, [], [], finish, 5, 9)]
+    choice = chat_completion("id", "m", 5, [outs], None, hermes)["choices"][0]  # type: ignore[arg-type]
+    assert choice["finish_reason"] == finish
+    if finish == "stop":
+        assert choice["message"]["content"] == cut and "tool_calls" not in choice["message"]
+    else:
+        assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Par'
+
+    async def merged() -> AsyncIterator[tuple[int, SequenceOutput]]:
+        yield 0, outs[0]
+
+    async def streamed() -> list[dict]:
+        return [c async for c in chat_chunks("id", "m", 5, False, 1, None, merged(), hermes)]  # type: ignore[arg-type]
+    assert [ch["finish_reason"] for c in asyncio.run(streamed()) for ch in c["choices"]][-1] == finish
+    response = response_object(ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", 5), outs, hermes)
+    assert [item["type"] for item in response["output"]] == (
+        ["message"] if finish == "stop" else ["message", "function_call"])
+
+
 def _stream_response(pieces: list[str], finish: str, parser: str | None = "hermes") -> tuple[list[dict], dict]:
     """A Responses stream of an answer that comes in these pieces and ends so, and the Response not streamed."""
     outs = [SequenceOutput(0, piece, [], [], finish if i == len(pieces) - 1 else None, 5, i + 1)

@@ -175,15 +175,15 @@ def _call_id() -> str:
 
 
 def _finish_reason(finish: str | None, called: bool) -> str | None:
-    """A sequence that ended on its own after calling tools finished to have them run."""
+    """A sequence that ended on its own after calling tools, every call whole, finished to have them run."""
     return "tool_calls" if called and finish == "stop" else finish
 
 
-def _message(text: str, tool_parser: type[ToolParser] | None, parallel: bool
+def _message(text: str, tool_parser: type[ToolParser] | None, parallel: bool, finish: str | None
              ) -> tuple[dict[str, Any], list[ToolCall]]:
     if tool_parser is None:
         return {"role": "assistant", "content": text, "refusal": None}, []
-    content, calls = parse_tool_calls(tool_parser, text)
+    content, calls = parse_tool_calls(tool_parser, text, finish)
     calls = calls if parallel else calls[:1]  # parallel_tool_calls false: the first call is the answer
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if calls:
@@ -201,7 +201,7 @@ def chat_completion(request_id: str, model: str, prompt_tokens: int, results: li
     for index, outs in enumerate(results):
         text, logprobs, finish, n_tokens = _joined(outs)
         completion_tokens += n_tokens
-        message, calls = _message(text, tool_parser, parallel)
+        message, calls = _message(text, tool_parser, parallel, finish)
         choices.append({
             "index": index,
             "message": message,
@@ -314,7 +314,7 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
             yield chunk([{"index": index, "delta": {"tool_calls": [
                 _tool_call_delta(delta, call_ids.setdefault(index, {}))]}, "logprobs": None, "finish_reason": None}])
         if out.finish_reason is not None:
-            called = index in parsers and bool(parsers[index].calls)
+            called = index in parsers and parsers[index].called
             yield chunk([{"index": index, "delta": {}, "logprobs": None,
                           "finish_reason": _finish_reason(out.finish_reason, called)}])
     if include_usage:

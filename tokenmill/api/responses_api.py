@@ -249,17 +249,18 @@ class ResponseBuilder:
         return r
 
 
-def _last_item_status(out: SequenceOutput) -> str:
+def _last_item_status(out: SequenceOutput, parser: ToolParser | None = None) -> str:
     """The status of the output item the answer ended in: incomplete where it did not end on its own (cut by
-    max_output_tokens, or by an abort or an error)."""
-    return "completed" if out.finish_reason == "stop" else "incomplete"
+    max_output_tokens, or by an abort or an error) or ended inside a call (a stop string cut it)."""
+    whole = parser is None or not parser.calls or parser.calls[-1].complete
+    return "completed" if out.finish_reason == "stop" and whole else "incomplete"
 
 
 def response_object(builder: ResponseBuilder, outs: list[SequenceOutput],
                     tool_parser: type[ToolParser] | None) -> dict[str, Any]:
     """The whole Response of a request that was not streamed."""
     text = "".join(o.text for o in outs)
-    content, calls = parse_tool_calls(tool_parser, text) if tool_parser else (text, [])
+    content, calls = parse_tool_calls(tool_parser, text, outs[-1].finish_reason) if tool_parser else (text, [])
     calls = calls if builder.response["parallel_tool_calls"] else calls[:1]
     content = content or ""
     output = [_message_item(content, "completed")] if content or not calls else []
@@ -368,7 +369,7 @@ async def response_events(builder: ResponseBuilder, outputs: AsyncIterator[tuple
     if not r["output"] and last.finish_reason != "error":  # an empty answer is still a message
         for e in events.text(""):
             yield e
-    for e in events.close(_last_item_status(last)):
+    for e in events.close(_last_item_status(last, parser)):
         yield e
     builder.finish(last)
     kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(r["status"], "response.failed")

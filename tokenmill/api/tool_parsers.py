@@ -34,6 +34,7 @@ class ToolCallDelta:
 class ToolCall:
     name: str
     arguments: str  # the arguments' JSON text as the model wrote it ("{}" when it wrote none)
+    complete: bool = False  # its object closed: the arguments are whole (a stop string or the end may cut one)
 
 
 @dataclass
@@ -202,6 +203,12 @@ class ToolParser:
     def calls(self) -> list[ToolCall]:
         return self._calls
 
+    @property
+    def called(self) -> bool:
+        """The output called tools, every call whole: only then are they for the client to run (finish_reason
+        tool_calls)."""
+        return bool(self._calls) and all(call.complete for call in self._calls)
+
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
         return self._run(final=False)
@@ -297,6 +304,7 @@ class ToolParser:
         if self._named and not self._sent:
             self._send(out, "{}")
         if self._named and call.end is not None:
+            self._calls[-1].complete = True
             self._state, self._pos = self._after_call, call.end
         else:  # not a call, or a call whose object broke off: what follows is read as text
             self._no_call(out, len(self._buf) if stop is None else stop)
@@ -433,8 +441,14 @@ def choose_parser(template_source: str | None, override: str | None = None) -> t
     return HermesParser
 
 
-def parse_tool_calls(parser_cls: type[ToolParser], text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole output: its content (None when empty or blank) and its calls."""
+def parse_tool_calls(parser_cls: type[ToolParser], text: str, finish_reason: str | None = None
+                     ) -> tuple[str | None, list[ToolCall]]:
+    """A whole output: its content (None when empty or blank) and its calls. An answer that ended on its own
+    (finish_reason stop) inside a call, which a stop string or an end token cut, is all content, as vLLM gives an
+    output whose call does not parse: no client could run that call. One the token limit cut keeps its last call as
+    written, finish_reason length saying so (as OpenAI's)."""
     parser = parser_cls()
     content = parser.feed(text).content + parser.finish().content
+    if finish_reason == "stop" and parser.calls and not parser.called:
+        return (text if text.strip() else None), []
     return (content if content.strip() else None), parser.calls
