@@ -115,8 +115,8 @@ def test_auto_gives_a_well_formed_answer(client: openai.OpenAI) -> None:
     ({"tools": "not-a-list"}, "tools"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strng"}}}],
-      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strng"}}}}}], "tool_choice": "required"}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tool_requests_are_400(client: openai.OpenAI, server: ServerThread, fields: dict, param: str) -> None:

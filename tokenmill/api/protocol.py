@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.config import ServerConfig
 from tokenmill.errors import RequestError
@@ -135,6 +135,14 @@ class FunctionDefinition(RequestModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
     strict: bool | None = None  # a forced call always follows the schema
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Arguments are a JSON object, which clients read as keyword arguments: OpenAI refuses any other schema."""
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError("a function's parameters must be a JSON schema of type object")
+        return parameters
 
 
 class Tool(RequestModel):
