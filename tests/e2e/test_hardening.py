@@ -222,6 +222,14 @@ def test_kv_memory_below_one_context_caps_the_context_served(tiny4k: LoadedModel
         start_engine(tiny4k, kv_cache_memory=kv_64_tokens, max_model_len=CONTEXT)
 
 
+@pytest.mark.parametrize("flag", ["max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
+                                  "threads"])
+def test_a_count_below_one_is_refused_at_start(tiny4k: LoadedModel, flag: str) -> None:
+    """--max-num-batched-tokens 0 once started a server whose requests waited forever."""
+    with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} 0: at least 1"):
+        start_engine(tiny4k, **{flag: 0})
+
+
 def test_the_queue_and_the_kv_cache_hold_exactly_what_they_are_sized_for(tiny4k: LoadedModel) -> None:
     engine = start_engine(tiny4k, max_num_seqs=1, max_queued_requests=2, kv_cache_memory=str(4 * 16 * 512))
     client = EngineClient(engine)

@@ -69,6 +69,12 @@ class Engine:
         c = self.config
         if c.pooling not in ("last", "mean"):
             raise ConfigError(f"--pooling {c.pooling}: use last or mean")
+        # Before the model loads: a step of no tokens would never run anything (requests waited forever).
+        counts = {"--max-num-seqs": c.max_num_seqs, "--max-num-batched-tokens": c.max_num_batched_tokens,
+                  "--block-size": c.block_size, "--max-model-len": c.max_model_len, "--threads": c.threads}
+        for flag, value in counts.items():
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} {value}: at least 1")
         gpu.use_row_matmul(c.gpu_row_matmul)
         gpu.use_pdl(c.gpu_pdl)
         if self.loaded is None:
