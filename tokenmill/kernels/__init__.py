@@ -7,13 +7,18 @@ callers fall back to plain PyTorch; one log line says why.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shutil
 import time
+from collections.abc import Iterator
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -45,6 +50,25 @@ def has_tiles() -> bool:
     return load() and bool(torch.ops.tokenmill.tiles_available())
 
 
+def _sources() -> list[str]:
+    return [str(resources.files(__package__) / name) for name in SOURCES]
+
+
+def build_directory() -> Path:
+    """This machine's build: a folder named by a key of the sources, the CPU's flags and torch's version, under
+    torch's extensions folder ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)."""
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256()
+    for path in [*_sources(), *(str(resources.files(__package__) / name) for name in HEADERS)]:
+        with open(path, "rb") as src:
+            key.update(src.read())
+    key.update(_cpu_flags().encode())
+    key.update(torch.__version__.encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"tokenmill_kernels_{key.hexdigest()[:16]}"
+
+
 @functools.cache
 def load() -> bool:
     """Build (once per machine) and load the kernels as torch.ops.tokenmill.*; False where they are unavailable."""
@@ -54,14 +78,6 @@ def load() -> bool:
     if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
         log.info("C++ kernels not built on %s %s: plain PyTorch paths", platform.system(), platform.machine())
         return False
-    folder = resources.files(__package__)
-    sources = [str(folder / name) for name in SOURCES]
-    key = hashlib.sha256()
-    for path in [*sources, *(str(folder / name) for name in HEADERS)]:
-        with open(path, "rb") as src:
-            key.update(src.read())
-    key.update(_cpu_flags().encode())
-    key.update(torch.__version__.encode())
     started = time.perf_counter()
     try:
         import ninja  # the PyPI package: its binary sits in the venv, which need not be on PATH
@@ -69,14 +85,24 @@ def load() -> bool:
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
     except ImportError:
-        pass  # a system ninja, or none: the build says which
+        pass  # a system ninja, or none: verify_ninja_availability says so
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(
-            name=f"tokenmill_kernels_{key.hexdigest()[:16]}", sources=sources, is_python_module=False,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:  # said before the build's line, not after it
+            raise RuntimeError(f"no C++ compiler: {compiler} is not on PATH")
+        cpp_extension.verify_ninja_availability()
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        with build_lock(directory):
+            if not (directory / f"{directory.name}.so").exists():
+                log.warning("building tokenmill's C++ kernels for this CPU in %s (once per machine, about a minute)",
+                            directory)
+            cpp_extension.load(
+                name=directory.name, sources=_sources(), is_python_module=False, build_directory=str(directory),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+            )
     except Exception as exc:  # a missing compiler or ninja, a failed build: every cause means the same fallback
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         log.warning("C++ kernels unavailable (%s): plain PyTorch paths, quantized weights dequantized at load",
@@ -84,3 +110,23 @@ def load() -> bool:
         return False
     log.info("C++ kernels ready in %.1fs", time.perf_counter() - started)
     return True
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold `directory`'s build to this process, and clear a lock that an interrupted build left.
+
+    torch guards a build with a `lock` file that the builder deletes when it ends: a build killed midway (Ctrl-C on
+    a first start) leaves it, and every later load waits on it forever, silently. An flock ends with its process,
+    so while this process holds one that every tokenmill build takes, a `lock` file can only be such a leftover."""
+    with open(directory / "tokenmill.flock", "w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process building tokenmill's C++ kernels in %s", directory)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build of the C++ kernels that was interrupted", stale)
+            stale.unlink()
+        yield
