@@ -11,7 +11,7 @@ import types
 import typing
 from collections.abc import Collection
 
-from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.config import LOG_LEVELS, EngineConfig, ServerConfig
 from tokenmill.errors import ConfigError, ModelFormatError
 
 
@@ -24,14 +24,16 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Colle
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):  # `int | None` -> int
             kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        flag, help_ = f"--{f.name.replace('_', '-')}", f"{f.metadata.get('help', '')} (default: %(default)s)"
+        flag, help_ = f"--{f.name.replace('_', '-')}", f.metadata.get("help", "")
+        if "default" not in help_:  # a help that says its default in words keeps those words only
+            help_ += " (default: %(default)s)"
         if kind is bool:  # --flag / --no-flag
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         elif typing.get_origin(kind) is tuple:  # tuple[str, ...]: one value per flag, repeated for several
             default = list(typing.cast(tuple, f.default))
             parser.add_argument(flag, action="append", type=typing.get_args(kind)[0], default=default, help=help_)
         else:
-            parser.add_argument(flag, type=kind, default=f.default, help=help_)
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_)
 
 
 def _pick(cls: type, args: argparse.Namespace) -> typing.Any:
@@ -57,7 +59,7 @@ def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system prompt")
     chat.add_argument("--temperature", type=float, help="(default: the server's)")
     chat.add_argument("--max-tokens", type=int, help="longest reply (default: the rest of the context)")
-    chat.add_argument("--log-level", default="warning", help="(default: %(default)s)")
+    chat.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="(default: %(default)s)")
     _add_dataclass_flags(chat, EngineConfig, skip={"model"})
     pull = sub.add_parser("pull", help="fetch an embedded default model into the cache")
     pull.add_argument("alias")
@@ -85,7 +87,7 @@ def _add_bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--json", metavar="PATH", help="write the report as JSON")
     bench.add_argument("--plot", metavar="PATH", help="write latency histograms and throughput over time as PNG")
     bench.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two reports side by side")
-    bench.add_argument("--log-level", default="warning", help="(default: %(default)s)")
+    bench.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="(default: %(default)s)")
 
 
 def with_env_api_keys(config: ServerConfig) -> ServerConfig:
@@ -102,7 +104,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     from tokenmill.api.app import create_app
     from tokenmill.api.guards import ServingState
-    from tokenmill.api.server import TokenmillServer
+    from tokenmill.api.server import TokenmillServer, listen
     from tokenmill.engine.engine import Engine
 
     log = logging.getLogger(__name__)
@@ -110,19 +112,23 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     if not server_config.api_key and server_config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)",
                     server_config.host)
+    # Before the model loads, so that a mistyped flag or a busy port is said at once (the engine checks its own
+    # settings before it loads the model).
+    server_config.check()
+    listener = listen(server_config.host, server_config.port)
     engine = Engine(engine_config)
     engine.start()  # loads the model on the engine thread
     model_id = server_config.served_model_name or engine_config.model
     path = engine.model_path
     state = ServingState()
     app = create_app(engine, model_id, {engine_config.model, str(path), path.name}, server_config, state)
-    log.info("serving %s on http://%s:%d/v1", model_id, server_config.host, server_config.port)
+    log.info("serving %s on http://%s:%d/v1", model_id, server_config.host, listener.getsockname()[1])
     server = TokenmillServer(
         uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
                        timeout_graceful_shutdown=5),
         engine, state, server_config.shutdown_timeout,
     )
-    server.run()
+    server.run(sockets=[listener])
     return server.exit_code
 
 
@@ -163,3 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ModelFormatError, ConfigError) as exc:
         print(f"tokenmill: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the server runs (it handles its own), e.g. while the model loads
+        print("tokenmill: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)  # not sys.exit: the engine thread may be inside torch's loading code, which teardown aborts

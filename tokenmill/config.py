@@ -1,19 +1,57 @@
-"""Every toggle in one place. The CLI's flags are generated from these fields (cli.py), one flag per field."""
+"""Every toggle in one place. The CLI's flags are generated from these fields (cli.py), one flag per field.
+
+Each config's `check()` refuses what is wrong with its settings alone, before any model loads; what depends on the
+model (its context, its kernels) is refused where that is known."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pydantic import ByteSize, TypeAdapter, ValidationError
 
-def option(default, help: str):  # noqa: A002 - the argparse word
-    return field(default=default, metadata={"help": help})
+from tokenmill.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def option(default, help: str, choices: Sequence[str] | None = None):  # noqa: A002 - the argparse word
+    """choices: the values the field takes (None aside, where it is optional); `check()` and the CLI refuse others."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a plain byte count."""
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError as exc:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB, 1.5GB)") from exc
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _check_choices(config: object) -> None:
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        value, choices = getattr(config, f.name), f.metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            raise ConfigError(f"{_flag(f.name)} {value}: choose {', '.join(choices[:-1])} or {choices[-1]}")
+
+
+def _check_counts(config: object, names: Sequence[str]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag(name)} {value}: at least 1")
 
 
 @dataclass
 class EngineConfig:
     model: str = option("smollm2-135m", "a .gguf file, a Hugging Face folder, a hub id or an alias")
     dtype: str = option("auto", "compute dtype: auto (bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else "
-                              "fp32), float32, bfloat16, float16")
+                              "fp32), float32, bfloat16, float16", ("auto", "float32", "bfloat16", "float16"))
     device: str = option("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     max_model_len: int | None = option(None, "context length served (default: the model's, at most 8192)")
     max_num_seqs: int = option(64, "sequences running at once")
@@ -25,7 +63,7 @@ class EngineConfig:
         32, "while others decode, long prompts together prefill at most this many tokens a step, fewer as their "
             "context grows, so the decoders' inter-token latency stays low (0: no cap)")
     kv: str = option("paged", "KV memory layout: paged (a pool of fixed-size blocks) or contiguous (one buffer per "
-                            "sequence, reserved for its whole length)")
+                            "sequence, reserved for its whole length)", ("paged", "contiguous"))
     block_size: int = option(16, "tokens per KV block (paged)")
     prefix_caching: bool = option(True, "share the KV of prompt prefixes computed before (radix tree over blocks)")
     sliding_window_kv: bool = option(True, "paged, a model with sliding-window layers (Gemma 3): those layers keep "
@@ -38,7 +76,7 @@ class EngineConfig:
     seed: int = option(0, "seed of the sampler for requests that give none")
     pooling: str = option("last", "/v1/embeddings: the prompt's final hidden states pooled as last (the last "
                                   "token's, for decoder embedding models such as Qwen3-Embedding) or mean; "
-                                  "L2-normalized")
+                                  "L2-normalized", ("last", "mean"))
     threads: int | None = option(None, "CPU threads for the model (default: torch's choice)")
     prepack_weights: bool = option(True, "on CPU, reorder the weights once at load into oneDNN's blocked layout "
                                          "(matmuls 1.1-3.7x faster, measured)")
@@ -76,7 +114,8 @@ class EngineConfig:
                                            "the latest earlier occurrence of the sequence's last n-gram are proposed "
                                            "and checked in the next step, lossless) or suffix (the same, then "
                                            "earlier requests' prompts and outputs) or draft (a smaller model of the "
-                                           "same vocabulary guesses, --draft-model); default off")
+                                           "same vocabulary guesses, --draft-model); default off",
+                                    ("ngram", "suffix", "draft"))
     draft_model: str | None = option(None, "--speculative draft: the draft model (a .gguf file, a Hugging Face "
                                            "folder or an alias) of the model's vocabulary, loaded with the model's "
                                            "dtype and weight options")
@@ -90,13 +129,32 @@ class EngineConfig:
                                         "the prefix cache held (batch-invariant kernels; CPU with the C++ kernels, "
                                         "paged KV; no dense weight copies)")
 
+    def check(self) -> None:
+        """Refuse (ConfigError) what is wrong with these settings alone, before the model loads."""
+        _check_choices(self)
+        # A step of no tokens would never run anything (a server whose requests waited forever).
+        _check_counts(self, ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "threads",
+                             "num_speculative_tokens"))
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"--prompt-lookup-min {self.prompt_lookup_min} --prompt-lookup-max "
+                              f"{self.prompt_lookup_max}: n-grams of at least 1 token, min at most max")
+        if self.draft_model is not None and self.speculative != "draft":
+            raise ConfigError("--draft-model is read with --speculative draft only")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ConfigError("--speculative draft needs --draft-model (a smaller model of the same vocabulary)")
+        if self.deterministic and self.kv != "paged":
+            raise ConfigError("--deterministic needs --kv paged: its attention reads every row through the block "
+                              "tables")
+        for size in (self.kv_cache_memory, self.dense_weights_budget):
+            if size is not None and size != "auto":
+                parse_size(size)
 
 @dataclass
 class ServerConfig:
     host: str = option("127.0.0.1", "address to bind; 127.0.0.1 keeps the server local")
     port: int = option(8000, "TCP port")
     served_model_name: str | None = option(None, "the model id /v1/models lists (default: the MODEL argument)")
-    log_level: str = option("info", "debug, info, warning or error")
+    log_level: str = option("info", "how much the server logs", LOG_LEVELS)
     ui: bool = option(True, "the chat page at / and the engine dashboard at /dashboard (--no-ui: neither)")
     api_key: tuple[str, ...] = option((), "accept only requests that carry one of these keys as a Bearer token (every "
                                           "route but /health); repeat for several; default: $TOKENMILL_API_KEY, "
@@ -116,10 +174,17 @@ class ServerConfig:
     grammar_compile_timeout: float = option(2.0, "seconds a request's JSON schema, regex or grammar may take to "
                                                  "compile (400 beyond)")
     tool_call_parser: str | None = option(None, "the tool-call format read from outputs: hermes, smollm2 or "
-                                                "llama3_json (default: chosen from the chat template)")
+                                                "llama3_json (default: chosen from the chat template)",
+                                         ("hermes", "smollm2", "llama3_json"))
     responses_store: str | None = option(None, "SQLite file of stored Responses (previous_response_id, GET/DELETE "
                                                "/v1/responses/ID); default: responses.sqlite3 in tokenmill's cache "
                                                "directory; off: store none")
     responses_store_max: int = option(10_000, "stored Responses kept; beyond, the oldest are deleted")
     allow_request_chat_template: bool = option(False, "let requests bring their own chat_template (rendered in the "
                                                       "same sandbox)")
+
+    def check(self) -> None:
+        """Refuse (ConfigError) what is wrong with these settings alone, before the model loads."""
+        _check_choices(self)
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: a TCP port is 0 to 65535")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -62,3 +63,87 @@ def test_chat_says_when_its_server_cannot_be_reached(capsys: pytest.CaptureFixtu
         main(["chat", "--url", f"http://127.0.0.1:{port}/v1"])  # no model named: it asks the server for one
     assert exit_.value.code == 1
     assert f"tokenmill chat: cannot reach http://127.0.0.1:{port}/v1" in capsys.readouterr().err
+
+
+def _fails_at_start(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What `tokenmill ...` prints when it refuses to start: one line, exit code 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--kv", "pagd"], "argument --kv: invalid choice: 'pagd'"),
+    (["--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus'"),
+    (["--speculative", "eagle"], "argument --speculative: invalid choice: 'eagle'"),
+    (["--tool-call-parser", "mistral"], "argument --tool-call-parser: invalid choice: 'mistral'"),
+])
+def test_a_value_outside_a_flags_choices_is_refused_by_the_parser(flags: list[str], said: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert said in _fails_at_start(["serve", *flags], capsys)
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--port", "70000"], "tokenmill: --port 70000: a TCP port is 0 to 65535\n"),
+    (["--host", "no-such-host.invalid"], "tokenmill: --host no-such-host.invalid: "),
+    (["--speculative", "draft"], "tokenmill: --speculative draft needs --draft-model"),
+    (["--draft-model", "d.gguf"], "tokenmill: --draft-model is read with --speculative draft only\n"),
+    (["--kv-cache-memory", "lots"], "tokenmill: cannot read 'lots' as a size"),
+    (["--deterministic", "--kv", "contiguous"], "tokenmill: --deterministic needs --kv paged"),
+    (["--prompt-lookup-min", "4", "--prompt-lookup-max", "2"],
+     "tokenmill: --prompt-lookup-min 4 --prompt-lookup-max 2: "),
+    (["--max-num-batched-tokens", "0"], "tokenmill: --max-num-batched-tokens 0: at least 1\n"),
+])
+def test_settings_that_cannot_work_are_refused_before_the_model_loads(flags: list[str], said: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The model named does not exist: had it been loaded first, that would have been the error. Before, a port
+    out of range was a traceback, and --kv, --speculative and the draft flags were refused after the model loaded."""
+    assert _fails_at_start(["serve", "/no/such/model.gguf", *flags], capsys).startswith(said)
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _fails_at_start(["serve", "/no/such/model.gguf", "--port", str(port)], capsys)
+    assert err == f"tokenmill: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_ctrl_c_before_the_server_runs_exits_130_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while the model loads was a traceback, then an abort as the interpreter tore down the loading thread."""
+    import tokenmill.cli as cli
+
+    def interrupted(*args: object) -> int:
+        raise KeyboardInterrupt
+
+    def exit_now(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cli, "serve", interrupted)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "m.gguf"])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == "tokenmill: interrupted\n"
+
+
+def test_the_help_says_each_default_once() -> None:
+    """A help that says its default in words (--max-model-len: the model's) no longer adds "(default: None)"."""
+    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    helps = {a.dest: a.help or "" for a in serve._actions}
+    generated = " (default: %(default)s)"
+    assert helps["max_num_seqs"].endswith(generated) and helps["max_model_len"].endswith("at most 8192)")
+    twice = [dest for dest, text in helps.items() if text.endswith(generated) and "default" in text[:-len(generated)]]
+    assert not twice
+
+
+def test_the_tool_call_parser_flag_offers_every_parser_and_only_those() -> None:
+    from tokenmill.api.tool_parsers import PARSERS
+
+    field = next(f for f in dataclasses.fields(ServerConfig) if f.name == "tool_call_parser")
+    assert sorted(field.metadata["choices"]) == sorted(PARSERS)

@@ -27,9 +27,9 @@ from safetensors.torch import load_file as load_torch_file
 from safetensors.torch import save_file
 
 from tokenmill import kernels
-from tokenmill.errors import ModelFormatError
+from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.layers.quantized import QuantizedWeight
-from tokenmill.loader import load_model
+from tokenmill.loader import load_model, resolve_device
 from tokenmill.loader import safetensors as st_loader
 from tokenmill.loader.gguf import GGUFFile
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES
@@ -366,6 +366,50 @@ def test_a_mis_shaped_tensor_is_refused_naming_it(name: str, message: str, hf_fo
                      lambda tensors: {**tensors, name: tensors[name][:, 1:].contiguous()})
     with pytest.raises(ModelFormatError, match=message):
         load_model(str(folder), dtype="float32", device="cpu")
+
+
+def test_a_damaged_folder_is_refused_naming_the_file(hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    """A truncated safetensors file and a tokenizer.json that is not JSON were tracebacks from their libraries."""
+    truncated = _edited(hf_folders["qwen2"], tmp_path / "truncated", lambda tensors: tensors)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelFormatError, match=f"^cannot read {weights}: Error while deserializing header"):
+        load_model(str(truncated), dtype="float32", device="cpu")
+    garbled = _edited(hf_folders["qwen2"], tmp_path / "garbled", lambda tensors: tensors)
+    (garbled / "tokenizer.json").write_text("garbage{")
+    with pytest.raises(ModelFormatError, match=f"^cannot read {garbled / 'tokenizer.json'}: expected value"):
+        load_model(str(garbled), dtype="float32", device="cpu")
+
+
+def test_a_context_past_the_models_is_refused(hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    """Positions the model was never trained on give noise; vLLM refuses them too."""
+    trained = load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu").config.max_position_embeddings
+    assert load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu", max_model_len=trained).max_model_len \
+        == trained
+    with pytest.raises(ConfigError, match=f"^--max-model-len {trained + 1}: the model was trained for a context of "
+                                          f"{trained} tokens$"):
+        load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu", max_model_len=trained + 1)
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with pytest.raises(ConfigError, match="trained for a context of 512 tokens"):
+        load_model(str(gguf), dtype="float32", device="cpu", max_model_len=513)
+
+
+def test_a_device_that_is_not_here_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda on a machine without a GPU was a traceback from inside torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="^--device cuda: no CUDA GPU is available"):
+        resolve_device("cuda")
+    with pytest.raises(ConfigError, match="^--device cuda:1: no CUDA GPU is available"):
+        resolve_device("cuda:1")
+    with pytest.raises(ConfigError, match="^--device gpu: not a device"):
+        resolve_device("gpu")
+    with pytest.raises(ConfigError, match="^--device meta: tokenmill runs on cpu and cuda"):
+        resolve_device("meta")
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="^--device cuda:1: this machine has 1 CUDA GPU"):
+        resolve_device("cuda:1")
 
 
 def test_checkpoint_tensors_the_model_has_no_use_for_are_skipped(hf_folders: dict[str, Path], tmp_path: Path,

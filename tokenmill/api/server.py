@@ -14,8 +14,27 @@ import uvicorn
 
 from tokenmill.api.guards import ServingState
 from tokenmill.engine.engine import Engine
+from tokenmill.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for the server to listen on (uvicorn's `sockets`): bound before the model loads,
+    so that a busy port or a host that is not this machine's is said at once, in one line."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: {exc.strerror}") from exc
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    return sock
 
 
 class TokenmillServer(uvicorn.Server):

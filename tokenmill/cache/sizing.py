@@ -6,21 +6,12 @@ import logging
 import os
 
 import torch
-from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from tokenmill.cache.kv_cache import ContiguousKVCache, KVCache, KVSpec, PagedKVCache
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, parse_size
 from tokenmill.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def parse_size(text: str) -> int:
-    """'2GiB', '512MiB', '1.5GB' or a plain byte count."""
-    try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError as exc:
-        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB, 1.5GB)") from exc
 
 
 def _available_memory(device: torch.device) -> int:
@@ -48,14 +39,10 @@ def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max
             raise ConfigError(f"KV memory of {budget} bytes holds no block of {config.block_size} tokens")
         cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, config.deterministic,
                              sliding_blocks)
-    elif config.kv == "contiguous" and config.deterministic:
-        raise ConfigError("--deterministic needs --kv paged: its attention reads every row through the block tables")
-    elif config.kv == "contiguous":
+    else:  # contiguous (EngineConfig.check() refuses other layouts, and deterministic mode with this one)
         if config.prefix_caching:
             log.info("prefix caching needs the paged layout: off with --kv contiguous")
         cache = ContiguousKVCache(spec, device, min(budget // spec.bytes_per_token, max_tokens_needed))
-    else:
-        raise ConfigError(f"unknown KV layout {config.kv!r}: choose paged or contiguous")
     if isinstance(cache, PagedKVCache) and cache.sliding is not None:
         full_layers, sliding = spec.num_layers - spec.num_sliding, cache.sliding.blocks.num_blocks * config.block_size
         log.info("KV cache: paged, %.2f GiB for %d tokens of the %d global layers and %d of the %d sliding layers, "

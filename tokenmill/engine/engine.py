@@ -18,8 +18,8 @@ import torch
 
 from tokenmill import __version__
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
-from tokenmill.cache.sizing import build_kv_cache, parse_size
-from tokenmill.config import EngineConfig
+from tokenmill.cache.sizing import build_kv_cache
+from tokenmill.config import EngineConfig, parse_size
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft import DraftModelProposer
 from tokenmill.engine.graphs import DecodeGraphs
@@ -67,14 +67,7 @@ class Engine:
 
     def _setup(self) -> None:
         c = self.config
-        if c.pooling not in ("last", "mean"):
-            raise ConfigError(f"--pooling {c.pooling}: use last or mean")
-        # Before the model loads: a step of no tokens would never run anything (requests waited forever).
-        counts = {"--max-num-seqs": c.max_num_seqs, "--max-num-batched-tokens": c.max_num_batched_tokens,
-                  "--block-size": c.block_size, "--max-model-len": c.max_model_len, "--threads": c.threads}
-        for flag, value in counts.items():
-            if value is not None and value < 1:
-                raise ConfigError(f"{flag} {value}: at least 1")
+        c.check()
         gpu.use_row_matmul(c.gpu_row_matmul)
         gpu.use_pdl(c.gpu_pdl)
         if self.loaded is None:
@@ -128,30 +121,20 @@ class Engine:
 
     def _proposer(self) -> Proposer | None:
         c = self.config
-        if c.draft_model is not None and c.speculative != "draft":
-            raise ConfigError("--draft-model is read with --speculative draft only")
         if c.speculative is None:
             return None
-        if c.speculative not in ("ngram", "suffix", "draft"):
-            raise ConfigError(f"--speculative {c.speculative}: choose ngram, suffix or draft")
-        if c.num_speculative_tokens < 1:
-            raise ConfigError(f"--num-speculative-tokens {c.num_speculative_tokens}: at least 1")
         if c.speculative == "draft":
             return self._draft_proposer()
-        try:
-            if c.speculative == "suffix":
-                return SuffixCacheProposer(c.prompt_lookup_min, c.prompt_lookup_max)
-            return NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
-        except ValueError as exc:
-            raise ConfigError(f"--prompt-lookup-min/max: {exc}") from exc
+        if c.speculative == "suffix":
+            return SuffixCacheProposer(c.prompt_lookup_min, c.prompt_lookup_max)
+        return NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
 
     def _draft_proposer(self) -> DraftModelProposer:
         """The draft model, of the target's vocabulary and context, and its own KV pool: as many tokens as the
         target's, at most speculative_max_seqs whole contexts (sequences not speculating give theirs up when
         short), each with room for its guesses."""
         c = self.config
-        if c.draft_model is None:
-            raise ConfigError("--speculative draft needs --draft-model (a smaller model of the same vocabulary)")
+        assert c.draft_model is not None, "EngineConfig.check() refuses --speculative draft without one"
         draft = self._load(c.draft_model, self.max_model_len)
         if not draft.tokenizer.same_vocabulary(self.tokenizer):
             raise ConfigError(f"--draft-model {c.draft_model}: its vocabulary is not the model's (a draft's tokens "

@@ -87,8 +87,7 @@ class NgramProposer(LookupProposer):
     proposes the tokens that followed its latest earlier occurrence."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"prompt lookup n-grams of {min_n} to {max_n} tokens")
+        assert 1 <= min_n <= max_n, f"prompt lookup n-grams of {min_n} to {max_n} tokens"
         self.min_n, self.max_n = min_n, max_n
 
     def learn(self, tokens: list[int]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import kernels
-from tokenmill.errors import ModelFormatError
+from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.kernels import gpu
 from tokenmill.layers.linear import cpu_computes_bf16
 from tokenmill.layers.quantized import QuantizedWeight
@@ -57,9 +57,20 @@ def resolve_device(name: str) -> torch.device:
     device (gpu.ready, gpu.pdl_ready) is then asked once, for the device the kernels run on."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: tokenmill runs on cpu and cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"--device {name}: no CUDA GPU is available (torch {torch.__version__}, {build})")
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return device
 
 
@@ -71,7 +82,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """
     if name != "auto":
         if name not in DTYPES:
-            raise ModelFormatError(f"unknown dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
+            raise ConfigError(f"unknown dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -112,6 +123,13 @@ def _keeps_quantized(device: torch.device, config: ModelConfig) -> bool:
     return True
 
 
+def _check_context(config: ModelConfig, max_model_len: int | None) -> None:
+    """Past the positions a model was trained on, its output degrades into noise: refused, as vLLM does."""
+    if max_model_len is not None and max_model_len > config.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {max_model_len}: the model was trained for a context of "
+                          f"{config.max_position_embeddings} tokens")
+
+
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                max_model_len_cap: int = 8192, prepack: bool = True, quantized: bool = True,
                dense_budget: int | None = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
@@ -129,6 +147,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
     if path.is_file():
         gguf = gguf_loader.GGUFFile(path)
         config = gguf_loader.model_config(gguf)
+        _check_context(config, max_model_len)
         gguf_loader.check_tensor_types(gguf)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         template_source = gguf.metadata.get("tokenizer.chat_template")
@@ -137,6 +156,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         del gguf  # the reader's parsed fields: ~150 MiB of small objects (the tensors map the file by themselves)
     elif (path / "config.json").exists():
         config = st_loader.model_config(path)
+        _check_context(config, max_model_len)
         tokenizer = Tokenizer.from_folder(path)
         template_source = None
         if (path / "chat_template.jinja").exists():

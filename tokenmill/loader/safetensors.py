@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.models.config import ModelConfig
@@ -177,7 +177,11 @@ def _read(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Iterator[tup
     if not files:
         raise ModelFormatError(f"no *.safetensors files in {folder}")
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except SafetensorError as exc:  # a truncated or corrupt file
+            raise ModelFormatError(f"cannot read {file}: {exc}") from exc
+        with handle:
             for name in handle.keys():
                 # A copy: get_tensor's maps the file, so a file rewritten in place would change a served model.
                 tensor = handle.get_tensor(name)

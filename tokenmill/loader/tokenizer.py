@@ -165,7 +165,10 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.exists():
             raise ModelFormatError(f"{folder} has no tokenizer.json")
-        tok = HFTokenizer.from_file(str(path))
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise ModelFormatError(f"cannot read {path}: {exc}") from exc
         cfg = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").exists() else {}
         gen = read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
         bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
