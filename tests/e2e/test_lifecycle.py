@@ -58,6 +58,20 @@ def test_sigterm_aborts_what_outlasts_the_shutdown_timeout(tiny4k_gguf: Path) ->
         assert srv.proc.wait(timeout=30) == 0, srv.output()
 
 
+def test_a_second_sigterm_aborts_in_flight_streams_at_once(tiny4k_gguf: Path) -> None:
+    """Before, the second signal stopped the server with the streams open: uvicorn cut them after its own graceful
+    timeout, with no last chunk and no [DONE]."""
+    with ServerProcess(tiny4k_gguf, "--shutdown-timeout", "600") as srv:
+        stream = long_stream(srv, 4000)
+        next(iter(stream))
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        srv.proc.send_signal(signal.SIGTERM)
+        finish, tokens = read_to_end(stream)
+        assert finish == "abort" and 0 < tokens < 4000
+        assert srv.proc.wait(timeout=30) == 0, srv.output()
+
+
 async def _soak(url: str, seconds: float, seed: int) -> dict[str, int]:
     """Clients that chat, stream, ask for n=2, make mistakes, and walk away mid-answer, all at once."""
     rng = random.Random(seed)

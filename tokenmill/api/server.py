@@ -40,8 +40,8 @@ def listen(host: str, port: int) -> socket.socket:
 class TokenmillServer(uvicorn.Server):
     """On SIGTERM or SIGINT: new requests get 503 (`state.draining`), in-flight ones may finish for
     `shutdown_timeout` seconds, the rest end with finish_reason "abort", then the server stops and run() returns;
-    `exit_code` is 0. A second signal stops at once. If the engine thread dies, the server stops with exit_code 1
-    rather than answer 503 forever."""
+    `exit_code` is 0. A second signal aborts them at once (their streams still end properly), a third stops without
+    waiting for that. If the engine thread dies, the server stops with exit_code 1 rather than answer 503 forever."""
 
     def __init__(self, config: uvicorn.Config, engine: Engine, state: ServingState, shutdown_timeout: float) -> None:
         super().__init__(config)
@@ -51,6 +51,7 @@ class TokenmillServer(uvicorn.Server):
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._aborting = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -60,11 +61,14 @@ class TokenmillServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded as uvicorn records it: it would re-raise the signal after the shutdown, and the process
         # would die of it instead of exiting 0.
-        if self.state.draining or self._loop is None:
+        if self._loop is None or self._aborting:
+            self.force_exit = self.should_exit or self._aborting
             self.should_exit = True
-            return
-        self.state.draining = True
-        self._loop.call_soon_threadsafe(lambda: self._spawn(self._drain()))
+        elif self.state.draining:
+            self._loop.call_soon_threadsafe(lambda: self._spawn(self._abort()))
+        else:
+            self.state.draining = True
+            self._loop.call_soon_threadsafe(lambda: self._spawn(self._drain()))
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -75,8 +79,15 @@ class TokenmillServer(uvicorn.Server):
         deadline = time.monotonic() + self.shutdown_timeout
         log.info("shutting down: %d sequences in flight get %.0fs to finish", self.engine.num_unfinished,
                  self.shutdown_timeout)
-        while self.engine.num_unfinished and time.monotonic() < deadline:
+        while self.engine.num_unfinished and time.monotonic() < deadline and not self._aborting:
             await asyncio.sleep(0.05)
+        await self._abort()
+
+    async def _abort(self) -> None:
+        """Abort what is still in flight, let the last chunks go out, then stop."""
+        if self._aborting:
+            return
+        self._aborting = True
         if self.engine.num_unfinished:
             log.warning("aborting %d unfinished sequences", self.engine.num_unfinished)
             self.engine.abort_all()
