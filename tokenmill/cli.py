@@ -11,6 +11,7 @@ import types
 import typing
 from collections.abc import Collection
 
+from tokenmill import __version__
 from tokenmill.config import LOG_LEVELS, EngineConfig, ServerConfig
 from tokenmill.errors import ConfigError, ModelFormatError
 
@@ -41,9 +42,17 @@ def _pick(cls: type, args: argparse.Namespace) -> typing.Any:
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
+API_KEY_HELP = "the server's API key (default: the first of $TOKENMILL_API_KEY)"
+
+
+def _env_api_key() -> str | None:
+    return os.environ.get("TOKENMILL_API_KEY", "").split(",")[0].strip() or None
+
+
 def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
     """bench_flags: give `bench` its flags, which imports tokenmill.bench (main does for `tokenmill bench` only)."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="An OpenAI-compatible LLM server.")
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     serve.add_argument("model", nargs="?", default=EngineConfig.model,
@@ -54,8 +63,7 @@ def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
     chat.add_argument("model", nargs="?", help=f"the model to load (default: {EngineConfig.model}); with --url, "
                                                 "the model to ask for (default: the server's first)")
     chat.add_argument("--url", help="a running OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1")
-    chat.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY", "").split(",")[0].strip() or None,
-                      help="the server's API key (default: the first of $TOKENMILL_API_KEY)")
+    chat.add_argument("--api-key", default=_env_api_key(), help=API_KEY_HELP)
     chat.add_argument("--system", help="a system prompt")
     chat.add_argument("--temperature", type=float, help="(default: the server's)")
     chat.add_argument("--max-tokens", type=int, help="longest reply (default: the rest of the context)")
@@ -75,6 +83,7 @@ def _add_bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL "
                        "(default: %(default)s)")
     bench.add_argument("--model", help="the model to ask for (default: the first id of /v1/models)")
+    bench.add_argument("--api-key", default=_env_api_key(), help=API_KEY_HELP)
     bench.add_argument("--workload", choices=WORKLOADS)
     bench.add_argument("--endpoint", choices=["chat", "completions"], default="chat", help="(default: %(default)s)")
     bench.add_argument("--concurrency", type=int, help="requests in flight at most (default: 1 for baseline, "

@@ -16,6 +16,7 @@ from helpers import ServerThread
 from tokenmill import cli
 from tokenmill.bench import agree, client, report
 from tokenmill.bench.workloads import WORDS_PER_TOKEN, WorkloadParams, build, synthetic_text
+from tokenmill.config import ServerConfig
 from tokenmill.loader import load_model
 
 SMALL = ["--num-requests", "6", "--prompt-len", "16", "--output-len", "8", "--ignore-eos"]
@@ -116,6 +117,20 @@ def test_a_failing_server_is_counted_not_raised(server: ServerThread, tmp_path: 
 
     unknown = run(server.base_url, model="nope", name="baseline", num_requests=2, output_len=4)["summary"]
     assert unknown["failed"] == 2 and next(iter(unknown["errors"])).startswith("HTTP 404")
+
+
+def test_a_server_with_an_api_key_is_benched_with_it(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """`tokenmill bench` had no --api-key: a server started with one refused every request."""
+    loaded = load_model(str(tiny_gguf), dtype="float32", device="cpu")
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    with ServerThread(loaded, "tiny", ServerConfig(api_key=("sesame",))) as srv:
+        assert bench("--url", srv.base_url, "--model", "tiny", "--workload", "burst", *SMALL) == 1
+        assert "0 completed, 6 failed" in capsys.readouterr().out
+        assert bench("--url", srv.base_url, "--workload", "burst", *SMALL, "--api-key", "sesame") == 0
+        assert "model tiny" in (out := capsys.readouterr().out) and "6 completed, 0 failed" in out
+        monkeypatch.setenv("TOKENMILL_API_KEY", "sesame,other")  # as the server and the chat command read it
+        assert bench("--url", srv.base_url, "--workload", "burst", *SMALL) == 0
 
 
 def _sse(*events: str) -> bytes:

@@ -43,6 +43,7 @@ class ClientConfig:
     temperature: float = 0.0
     timeout: float = 600.0  # seconds per request, the whole stream included
     warmup: int = 1  # untimed requests sent first, so no server is timed on its first-request setup
+    api_key: str | None = None  # sent as a Bearer token
 
     @property
     def base_url(self) -> str:
@@ -160,7 +161,8 @@ async def run(cfg: ClientConfig, params: WorkloadParams, progress: bool = True) 
     conversations = build(params)
     concurrency = cfg.concurrency or (1 if params.name == "baseline" else len(conversations))
     # Straight to the server: no proxy from the environment, and no pool limit below the concurrency.
-    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=None, trust_env=False,
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=None, trust_env=False, headers=headers,
                                  limits=httpx.Limits(max_connections=None)) as client:
         model = cfg.model or await _first_model(client)
         warmup = [{"role": "user", "content": synthetic_text(random.Random("warmup"), 16)}]
@@ -197,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
                                                    for f in dataclasses.fields(WorkloadParams) if f.name != "name"})
     cfg = ClientConfig(url=args.url, model=args.model, endpoint=args.endpoint, concurrency=args.concurrency,
                        ignore_eos=args.ignore_eos, temperature=args.temperature, timeout=args.timeout,
-                       warmup=args.warmup)
+                       warmup=args.warmup, api_key=args.api_key)
     result = asyncio.run(run(cfg, params))
     print(report.table(result))
     if args.json:
