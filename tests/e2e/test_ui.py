@@ -4,12 +4,14 @@ The pages in a real browser: tests/e2e/test_browser.py."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
 import httpx
 from helpers import ServerThread, openai_client, read_metrics
 
+from tokenmill.api.ui import PAGES
 from tokenmill.config import ServerConfig
 from tokenmill.loader import LoadedModel
 
@@ -80,6 +82,11 @@ def test_pages_carry_a_script_policy_and_open_without_the_key(tiny4k: LoadedMode
             page = httpx.get(srv.root_url + path)
             assert page.status_code == 200 and page.headers["content-type"].startswith(kind), path
             assert "script-src 'self'" in page.headers["content-security-policy"]
+        for path in PAGES:  # what a page links to is served, its icon too (browsers asked for /favicon.ico)
+            linked = re.findall(r'(?:href|src)="(/[^"]*)"', httpx.get(srv.root_url + path).text)
+            assert "/ui/icon.svg" in linked
+            for link in linked:
+                assert httpx.get(srv.root_url + link).status_code == 200, (path, link)
         assert httpx.get(srv.root_url + "/stats").status_code == 401  # the data needs the key
         key = {"Authorization": "Bearer sesame"}
         keyed = httpx.get(srv.root_url + "/stats", headers=key)
