@@ -11,6 +11,7 @@ import pytest
 
 from tokenmill.cli import _pick, build_parser, main, with_env_api_keys
 from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.errors import ConfigError
 
 
 def test_flags_fill_the_configs() -> None:
@@ -127,7 +128,10 @@ def test_ctrl_c_before_the_server_runs_exits_130_in_one_line(monkeypatch: pytest
     monkeypatch.setattr(cli, "serve", interrupted)
     monkeypatch.setattr(cli.os, "_exit", exit_now)
     with pytest.raises(SystemExit) as exit_:
-        main(["serve", "m.gguf"])
+        try:
+            main(["serve", "m.gguf"])
+        except KeyboardInterrupt:  # not let through: pytest would take it for its own Ctrl-C and stop the run
+            pytest.fail("the KeyboardInterrupt escaped")
     assert exit_.value.code == 130
     assert capsys.readouterr().err == "tokenmill: interrupted\n"
 
@@ -140,6 +144,16 @@ def test_the_help_says_each_default_once() -> None:
     assert helps["max_num_seqs"].endswith(generated) and helps["max_model_len"].endswith("at most 8192)")
     twice = [dest for dest, text in helps.items() if text.endswith(generated) and "default" in text[:-len(generated)]]
     assert not twice
+
+
+def test_configs_made_in_code_are_checked_as_the_flags_are() -> None:
+    """Library callers (Engine, create_app) get the CLI's refusals: the configs check themselves."""
+    with pytest.raises(ConfigError, match="^--kv pagd: choose paged or contiguous$"):
+        EngineConfig(kv="pagd").check()
+    with pytest.raises(ConfigError, match="^--tool-call-parser mistral: choose hermes, smollm2 or llama3_json$"):
+        ServerConfig(tool_call_parser="mistral").check()
+    EngineConfig(speculative=None).check()  # an optional choice may be left out
+    ServerConfig(tool_call_parser=None).check()
 
 
 def test_the_tool_call_parser_flag_offers_every_parser_and_only_those() -> None:
