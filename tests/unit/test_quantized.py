@@ -157,6 +157,13 @@ def test_without_kernels_a_gguf_loads_dense_with_one_log_line(tmp_path: Path, mo
         raise RuntimeError("Error building extension: g++: command not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    # As on a machine that has a compiler and ninja and built the kernels once (so no "building" line comes first).
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    built = tmp_path / "tokenmill_kernels_0"
+    built.mkdir()
+    (built / f"{built.name}.so").touch()
+    monkeypatch.setattr(kernels, "build_directory", lambda: built)
     monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0, hidden=256)
     ids = list(range(3, 250, 9))

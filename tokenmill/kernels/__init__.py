@@ -8,13 +8,14 @@ callers fall back to plain PyTorch; one log line says why.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from importlib import resources
@@ -55,8 +56,9 @@ def _sources() -> list[str]:
 
 
 def build_directory() -> Path:
-    """This machine's build: a folder named by a key of the sources, the CPU's flags and torch's version, under
-    torch's extensions folder ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)."""
+    """This machine's build: a folder named by a key of the sources, the CPU's flags, torch's version and where the
+    package and its venv lie, under torch's extensions folder ($TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions)."""
     from torch.utils import cpp_extension
 
     key = hashlib.sha256()
@@ -65,6 +67,9 @@ def build_directory() -> Path:
             key.update(src.read())
     key.update(_cpu_flags().encode())
     key.update(torch.__version__.encode())
+    # The build's own files name the sources' paths and the venv's: another checkout or venv builds its own, rather
+    # than rebuild this one each time the two take turns.
+    key.update(f"{resources.files(__package__)}|{sys.prefix}".encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return Path(root) / f"tokenmill_kernels_{key.hexdigest()[:16]}"
 
@@ -89,7 +94,7 @@ def load() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        compiler = os.environ.get("CXX", "c++")
+        compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]  # CXX may be "ccache g++"
         if shutil.which(compiler) is None:  # said before the build's line, not after it
             raise RuntimeError(f"no C++ compiler: {compiler} is not on PATH")
         cpp_extension.verify_ninja_availability()
@@ -118,13 +123,20 @@ def build_lock(directory: Path) -> Iterator[None]:
 
     torch guards a build with a `lock` file that the builder deletes when it ends: a build killed midway (Ctrl-C on
     a first start) leaves it, and every later load waits on it forever, silently. An flock ends with its process,
-    so while this process holds one that every tokenmill build takes, a `lock` file can only be such a leftover."""
+    so while this process holds one that every tokenmill build takes, a `lock` file can only be such a leftover.
+    Where the filesystem has no flock, torch's lock file alone guards the build, as before."""
+    import fcntl  # Linux, where the kernels build; imported here so that the package imports everywhere
+
     with open(directory / "tokenmill.flock", "w") as held:
         try:
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.warning("waiting for another process building tokenmill's C++ kernels in %s", directory)
             fcntl.flock(held, fcntl.LOCK_EX)
+        except OSError as exc:  # ENOSYS, EOPNOTSUPP: some network and FUSE filesystems
+            log.debug("no flock in %s (%s): a lock left by an interrupted build stays", directory, exc)
+            yield
+            return
         stale = directory / "lock"
         if stale.exists():
             log.warning("removing %s, left by a build of the C++ kernels that was interrupted", stale)
