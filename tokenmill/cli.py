@@ -121,23 +121,24 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     if not server_config.api_key and server_config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)",
                     server_config.host)
-    # Before the model loads, so that a mistyped flag or a busy port is said at once (the engine checks its own
-    # settings before it loads the model).
+    # Before the model loads, so that a mistyped flag or a busy port is said at once (the engine checks its settings
+    # again, for those who build one in code).
+    engine_config.check()
     server_config.check()
-    listener = listen(server_config.host, server_config.port)
+    listeners = listen(server_config.host, server_config.port)
     engine = Engine(engine_config)
     engine.start()  # loads the model on the engine thread
     model_id = server_config.served_model_name or engine_config.model
     path = engine.model_path
     state = ServingState()
     app = create_app(engine, model_id, {engine_config.model, str(path), path.name}, server_config, state)
-    log.info("serving %s on http://%s:%d/v1", model_id, server_config.host, listener.getsockname()[1])
+    log.info("serving %s on http://%s:%d/v1", model_id, server_config.host, listeners[0].getsockname()[1])
     server = TokenmillServer(
         uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
                        timeout_graceful_shutdown=5),
         engine, state, server_config.shutdown_timeout,
     )
-    server.run(sockets=[listener])
+    server.run(sockets=listeners)
     return server.exit_code
 
 

@@ -13,7 +13,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from tokenmill.errors import ConfigError
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def option(default, help: str, choices: Sequence[str] | None = None):  # noqa: A002 - the argparse word
@@ -51,7 +51,8 @@ def _check_counts(config: object, names: Sequence[str]) -> None:
 class EngineConfig:
     model: str = option("smollm2-135m", "a .gguf file, a Hugging Face folder, a hub id or an alias")
     dtype: str = option("auto", "compute dtype: auto (bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else "
-                              "fp32), float32, bfloat16, float16", ("auto", "float32", "bfloat16", "float16"))
+                              "fp32), float32, bfloat16, float16",
+                        ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"))
     device: str = option("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     max_model_len: int | None = option(None, "context length served (default: the model's, at most 8192)")
     max_num_seqs: int = option(64, "sequences running at once")
@@ -145,9 +146,10 @@ class EngineConfig:
         if self.deterministic and self.kv != "paged":
             raise ConfigError("--deterministic needs --kv paged: its attention reads every row through the block "
                               "tables")
-        for size in (self.kv_cache_memory, self.dense_weights_budget):
-            if size is not None and size != "auto":
-                parse_size(size)
+        if self.kv_cache_memory:  # None or "": the default
+            parse_size(self.kv_cache_memory)
+        if self.dense_weights_budget != "auto":
+            parse_size(self.dense_weights_budget)
 
 @dataclass
 class ServerConfig:

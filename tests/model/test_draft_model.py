@@ -158,6 +158,25 @@ def test_a_draft_must_be_named_and_share_the_vocabulary(target, tiny_gguf, smoll
         start_engine(target, speculative="draft", draft_model=str(smollm_path))
 
 
+def test_a_draft_trained_on_a_shorter_context_still_drafts(tiny_gguf, tmp_path) -> None:
+    """The draft serves the target's context even past its own (its guesses only get worse there); only the
+    --max-model-len a user asks of the model is held to the model's training."""
+    target = load_model(str(write_tiny_gguf(tmp_path / "long.gguf", context_length=1024)), dtype="float32",
+                        device="cpu")
+    greedy = [SamplingParams(max_tokens=16, ignore_eos=True)] * 2  # at most --speculative-max-seqs, so it drafts
+    plain = start_engine(target)
+    try:
+        expected = generate(plain, PROMPTS[:2], greedy)
+    finally:
+        plain.stop()
+    engine = start_engine(target, speculative="draft", draft_model=str(tiny_gguf), dtype="float32")  # 512 tokens
+    try:
+        assert engine.max_model_len == 1024
+        assert generate(engine, PROMPTS[:2], greedy) == expected
+        assert counted(engine.metrics.spec_draft_tokens) > 0
+    finally:
+        engine.stop()
+
 def test_a_draft_model_that_fails_turns_speculation_off_and_the_requests_go_on(target, tiny_gguf, monkeypatch,
                                                                                 caplog) -> None:
     greedy = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 2

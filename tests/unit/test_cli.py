@@ -161,3 +161,27 @@ def test_the_tool_call_parser_flag_offers_every_parser_and_only_those() -> None:
 
     field = next(f for f in dataclasses.fields(ServerConfig) if f.name == "tool_call_parser")
     assert sorted(field.metadata["choices"]) == sorted(PARSERS)
+
+
+def test_the_early_sockets_take_the_port_as_a_running_server_does() -> None:
+    """Two servers started together: the second is refused at once, though neither has loaded its model yet (a
+    socket that only binds, SO_REUSEADDR set, does not take the port)."""
+    from tokenmill.api.server import listen
+
+    [first] = listen("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"^cannot listen on 127.0.0.1:{port}: Address already in use$"):
+            listen("127.0.0.1", port)
+    finally:
+        first.close()
+    everywhere = listen("", 0)  # every interface, as asyncio binds host None: IPv4, and IPv6 on its own
+    try:
+        families = {s.family for s in everywhere}
+        assert socket.AF_INET in families
+        for s in everywhere:
+            if s.family == socket.AF_INET6:
+                assert s.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+    finally:
+        for s in everywhere:
+            s.close()

@@ -114,7 +114,7 @@ def test_an_unknown_tool_call_parser_stops_the_server_from_starting() -> None:
     from tokenmill.api.app import create_app
     from tokenmill.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--tool-call-parser: unknown tool-call parser 'mistral'"):
+    with pytest.raises(ConfigError, match="^--tool-call-parser mistral: choose hermes, smollm2 or llama3_json$"):
         create_app(None, "m", config=ServerConfig(tool_call_parser="mistral"))  # type: ignore[arg-type]
 
 

@@ -17,11 +17,9 @@ from tokenmill.api.errors import install_error_handlers
 from tokenmill.api.guards import OPEN_ROUTES, RequestGuard, ServingState
 from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.routes import Serving, router
-from tokenmill.api.tool_parsers import choose_parser
 from tokenmill.api.ui import ui_routes
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
-from tokenmill.errors import ConfigError
 from tokenmill.loader.sources import cache_dir
 
 
@@ -29,11 +27,8 @@ def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None, c
                state: ServingState | None = None) -> FastAPI:
     """`state` is shared with the server, which sets it draining on SIGTERM."""
     config = config or ServerConfig()
+    config.check()
     state = state or ServingState()
-    try:
-        choose_parser(None, config.tool_call_parser)
-    except ValueError as exc:
-        raise ConfigError(f"--tool-call-parser: {exc}") from exc
 
     store = None if config.responses_store == "off" else ResponseStore(
         Path(config.responses_store) if config.responses_store else cache_dir() / "responses.sqlite3",

@@ -19,22 +19,31 @@ from tokenmill.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port for the server to listen on (uvicorn's `sockets`): bound before the model loads,
-    so that a busy port or a host that is not this machine's is said at once, in one line."""
+def listen(host: str, port: int, backlog: int = 2048) -> list[socket.socket]:
+    """Sockets listening on host:port, for uvicorn's `sockets`: bound before the model loads, so that a busy port or
+    a host that is not this machine's is said at once, in one line. One socket per address the host resolves to
+    ("localhost" may be ::1 and 127.0.0.1; "" all interfaces), IPv6 ones IPv6-only, as asyncio binds a host itself.
+    They listen at once: a port is only taken once a socket listens on it (SO_REUSEADDR lets two merely bind it);
+    a client that connects while the model loads waits in the backlog."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ConfigError(f"--host {host}: {exc.strerror}") from exc
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-    return sock
+    sockets: list[socket.socket] = []
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        sock = socket.socket(family, kind, proto)
+        sockets.append(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            sock.bind(address)
+            sock.listen(backlog)
+        except OSError as exc:
+            for opened in sockets:
+                opened.close()
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    return sockets
 
 
 class TokenmillServer(uvicorn.Server):
@@ -51,6 +60,7 @@ class TokenmillServer(uvicorn.Server):
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._signals = 0  # counted as they come, not as the tasks they start run
         self._aborting = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -61,10 +71,11 @@ class TokenmillServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded as uvicorn records it: it would re-raise the signal after the shutdown, and the process
         # would die of it instead of exiting 0.
-        if self._loop is None or self._aborting:
-            self.force_exit = self.should_exit or self._aborting
+        self._signals += 1
+        if self._loop is None or self._signals > 2:  # before start-up, or a third signal: stop, not waiting
+            self.force_exit = self.should_exit or self._signals > 2
             self.should_exit = True
-        elif self.state.draining:
+        elif self._signals == 2:
             self._loop.call_soon_threadsafe(lambda: self._spawn(self._abort()))
         else:
             self.state.draining = True

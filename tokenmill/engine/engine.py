@@ -111,13 +111,16 @@ class Engine:
             return None
         return DecodeGraphs(loaded.model, self.kv_cache, c.max_num_seqs, self.max_model_len)
 
-    def _load(self, model: str, max_model_len: int | None) -> LoadedModel:
+    def _load(self, model: str, max_model_len: int | None, draft: bool = False) -> LoadedModel:
+        """draft: the draft model, served the target's context even past its own: its guesses only get worse there,
+        and the target checks every one."""
         c = self.config
         budget = None if c.dense_weights_budget == "auto" else parse_size(c.dense_weights_budget)
         return load_model(model, c.dtype, c.device, max_model_len, prepack=c.prepack_weights,
                           quantized=c.quantized_weights, dense_budget=budget,
                           dequantize_from_rows=c.dequantize_from_rows, fused_decode=c.fused_decode_layers,
-                          deterministic=c.deterministic, tiles_from_rows=c.amx_from_rows)
+                          deterministic=c.deterministic, tiles_from_rows=c.amx_from_rows,
+                          past_trained_context=draft)
 
     def _proposer(self) -> Proposer | None:
         c = self.config
@@ -135,7 +138,7 @@ class Engine:
         short), each with room for its guesses."""
         c = self.config
         assert c.draft_model is not None, "EngineConfig.check() refuses --speculative draft without one"
-        draft = self._load(c.draft_model, self.max_model_len)
+        draft = self._load(c.draft_model, self.max_model_len, draft=True)
         if not draft.tokenizer.same_vocabulary(self.tokenizer):
             raise ConfigError(f"--draft-model {c.draft_model}: its vocabulary is not the model's (a draft's tokens "
                               "must mean what the model's do)")

@@ -133,13 +133,15 @@ def _check_context(config: ModelConfig, max_model_len: int | None) -> None:
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                max_model_len_cap: int = 8192, prepack: bool = True, quantized: bool = True,
                dense_budget: int | None = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
-               deterministic: bool = False, tiles_from_rows: int | None = 0) -> LoadedModel:
+               deterministic: bool = False, tiles_from_rows: int | None = 0,
+               past_trained_context: bool = False) -> LoadedModel:
     """quantized: keep a GGUF's quantized matrices in their quantization (where the CPU's or GPU's kernels run), with
     dense copies for many-row steps where they fit dense_budget bytes (None: the default for the CPU and dtype,
     models/registry.py); without them, steps of dequantize_from_rows rows or more dequantize each matrix for its
     matmul (0: never); fused_decode: decode steps run each layer of quantized weights as one C++ op;
     deterministic: batch-invariant throughout; tiles_from_rows: a bf16 model's steps of this many rows or more run
-    on AMX tiles where there are any (0: never, None: the default; models/registry.py)."""
+    on AMX tiles where there are any (0: never, None: the default; models/registry.py); past_trained_context: let
+    max_model_len exceed the context the model was trained for (refused otherwise)."""
     path = resolve(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -147,7 +149,8 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
     if path.is_file():
         gguf = gguf_loader.GGUFFile(path)
         config = gguf_loader.model_config(gguf)
-        _check_context(config, max_model_len)
+        if not past_trained_context:
+            _check_context(config, max_model_len)
         gguf_loader.check_tensor_types(gguf)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         template_source = gguf.metadata.get("tokenizer.chat_template")
@@ -156,7 +159,8 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         del gguf  # the reader's parsed fields: ~150 MiB of small objects (the tensors map the file by themselves)
     elif (path / "config.json").exists():
         config = st_loader.model_config(path)
-        _check_context(config, max_model_len)
+        if not past_trained_context:
+            _check_context(config, max_model_len)
         tokenizer = Tokenizer.from_folder(path)
         template_source = None
         if (path / "chat_template.jinja").exists():
