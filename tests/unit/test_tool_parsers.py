@@ -183,9 +183,7 @@ def test_choose_parser() -> None:
     assert choose_parser("You are a helpful AI assistant named SmolLM").name == "smollm2"
     assert choose_parser("<tool_call>").name == choose_parser("{{ messages }}").name == choose_parser(None).name \
         == "hermes"
-    assert choose_parser("You are SmolLM", "llama3_json").name == "llama3_json"
-    with pytest.raises(ValueError, match="known: hermes, llama3_json, smollm2"):
-        choose_parser(None, "nope")
+    assert choose_parser("You are SmolLM", "llama3_json").name == "llama3_json"  # other names: ServerConfig.check()
 
 
 # --- the prompt side ---------------------------------------------------------------------------------------------
