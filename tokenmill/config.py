@@ -151,6 +151,7 @@ class EngineConfig:
         if self.dense_weights_budget != "auto":
             parse_size(self.dense_weights_budget)
 
+
 @dataclass
 class ServerConfig:
     host: str = option("127.0.0.1", "address to bind; 127.0.0.1 keeps the server local")

@@ -156,11 +156,18 @@ def test_configs_made_in_code_are_checked_as_the_flags_are() -> None:
     ServerConfig(tool_call_parser=None).check()
 
 
-def test_the_tool_call_parser_flag_offers_every_parser_and_only_those() -> None:
-    from tokenmill.api.tool_parsers import PARSERS
+def _choices(cls: type, name: str) -> list[str]:
+    return sorted(next(f for f in dataclasses.fields(cls) if f.name == name).metadata["choices"])
 
-    field = next(f for f in dataclasses.fields(ServerConfig) if f.name == "tool_call_parser")
-    assert sorted(field.metadata["choices"]) == sorted(PARSERS)
+
+def test_the_choices_of_a_flag_are_those_its_reader_knows() -> None:
+    """The config names them without importing their owners (the API's parsers; torch, for the dtypes): each list
+    is held equal to its owner's."""
+    from tokenmill.api.tool_parsers import PARSERS
+    from tokenmill.loader import DTYPES
+
+    assert _choices(ServerConfig, "tool_call_parser") == sorted(PARSERS)
+    assert _choices(EngineConfig, "dtype") == sorted(["auto", *DTYPES])
 
 
 def test_the_early_sockets_take_the_port_as_a_running_server_does() -> None:
