@@ -33,7 +33,12 @@ case "$verb" in
       { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
         || echo "could not install chromium: the browser tests will be skipped" >&2
     fi
-    exec "$py" -m pytest --durations=15 "$@" ;;  # the slowest: CI must stay under 15 minutes
+    # Test files run in parallel workers (pytest-xdist; one file's tests stay on one worker, so its module fixtures
+    # load once), one per core up to 4, each on one thread: two torch processes of two threads on two cores spin
+    # against each other. tests/unit/test_layer_kernels.py runs the C++ kernels on 1 and 3 threads. `-n 0` runs
+    # them in this process, one after another.
+    workers=$(nproc); [ "$workers" -le 4 ] || workers=4
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} exec "$py" -m pytest -n "$workers" --dist loadfile --durations=15 "$@" ;;
   mutate) exec "$py" scripts/mutate.py "$@" ;;
   *) echo "unknown verb $verb: use serve, test or mutate" >&2; exit 2 ;;
 esac

@@ -437,9 +437,10 @@ class ServerProcess:
     def __init__(self, model: Path, *flags: str) -> None:
         self.port = free_port()
         self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could fill up and block the server
+        store = Path(tempfile.mkdtemp()) / "responses.sqlite3"  # not the user's cache, as ServerThread's
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenmill", "serve", str(model), "--served-model-name", "tiny", "--port",
-             str(self.port), "--threads", "1", "--log-level", "warning", *flags],
+             str(self.port), "--threads", "1", "--log-level", "warning", "--responses-store", str(store), *flags],
             stdout=subprocess.DEVNULL, stderr=self.log, text=True,
         )
 

@@ -247,3 +247,32 @@ def test_a_layer_it_cannot_run_keeps_the_per_op_path(tmp_path: Path) -> None:
     assert load_model(str(path), dtype="float32", device="cpu", quantized=False).model.model.fused_decode is None
     deterministic = load_model(str(path), dtype="bfloat16", device="cpu", deterministic=True)
     assert deterministic.model.model.fused_decode is None
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("dtype", "tiles"), [("float32", 0), ("bfloat16", 2)], ids=["fp32", "bf16-tiles"])
+def test_the_kernels_give_the_same_bits_on_one_thread_and_on_three(tmp_path: Path, dtype: str, tiles: int,
+                                                                   restore_threads: None) -> None:
+    """The C++ kernels split their rows, (sequence, KV head) tasks and tile panels over torch's threads, each with
+    scratch of its own: the split changes no bit. The suite runs its workers on one thread each (scripts/dev.sh),
+    so this is where the split is exercised. 40 sequences: each kernel's work spans several of its chunks; bf16
+    puts the prefills' matrices on the AMX tiles where the CPU has them."""
+    if tiles and not kernels.has_tiles():
+        tiles = 0
+    path = write_model(tmp_path / "m.gguf", QType.Q4_K, bias=True)
+    loaded = load_model(str(path), dtype=dtype, device="cpu", tiles_from_rows=tiles)
+    assert loaded.model.model.fused_decode is not None
+    prompts = [[3 + (5 * i + j) % 240 for j in range(3 + i % 20)] for i in range(40)]
+    runs = fused_steps(loaded)
+    states = {}
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        states[threads] = decode_steps(loaded, prompts, 2, new_cache(loaded, num_blocks=128))
+    assert runs == [40] * 4  # the decode steps ran the fused layer, not dense copies
+    assert all(torch.equal(a, b) for a, b in zip(states[1], states[3], strict=True))
