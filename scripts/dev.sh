@@ -34,10 +34,14 @@ case "$verb" in
         || echo "could not install chromium: the browser tests will be skipped" >&2
     fi
     # Test files run in parallel workers (pytest-xdist; one file's tests stay on one worker, so its module fixtures
-    # load once), one per core up to 4, each on one thread: two torch processes of two threads on two cores spin
-    # against each other. tests/unit/test_layer_kernels.py runs the C++ kernels on 1 and 3 threads. `-n 0` runs
-    # them in this process, one after another.
-    workers=$(nproc); [ "$workers" -le 4 ] || workers=4
+    # load once), each on one thread: two torch processes of two threads on two cores spin against each other.
+    # One worker per core and per 6 GiB of available memory, 4 at most (two workers on a 2-core VM peaked at 13.7 GiB
+    # together, one of them at 9.5 GiB: the real Gemma 3 against transformers takes 6.5 GiB alone). tests/unit/test_layer_kernels.py runs the C++ kernels on 1 and 3 threads.
+    # `-n 0` runs the tests in this process, one after another.
+    workers=$(nproc)
+    memory=$(awk '/^MemAvailable:/ {print int($2 / 6291456)}' /proc/meminfo 2>/dev/null || echo 1)
+    for limit in "${memory:-1}" 4; do [ "$workers" -le "$limit" ] || workers=$limit; done
+    [ "$workers" -ge 1 ] || workers=1
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} exec "$py" -m pytest -n "$workers" --dist loadfile --durations=15 "$@" ;;
   mutate) exec "$py" scripts/mutate.py "$@" ;;
   *) echo "unknown verb $verb: use serve, test or mutate" >&2; exit 2 ;;
