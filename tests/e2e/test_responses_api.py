@@ -142,13 +142,21 @@ def test_a_json_schema_text_format_is_followed(client: openai.OpenAI) -> None:
     ({"max_output_tokens": 10**9}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{**WEATHER, "parameters": {"type": "string"}}]}, "tools.0.parameters"),
+    ({"tools": [WEATHER, {**WEATHER, "name": "f", "parameters": {"type": "object", "properties": {"a": {
+        "type": "strng"}}}}], "tool_choice": "required"}, "tools.1.parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strng"}}}}, "text.format"),
     ({"surely_not_a_field": 1}, "surely_not_a_field"),
 ])
 def test_what_is_not_served_is_a_400_naming_its_field(server: ServerThread, fields: dict, param: str) -> None:
+    """In the param and in the message: a Responses request runs as a chat request, whose field names it has not."""
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **fields}
     response = httpx.post(f"{server.base_url}/responses", json=body, timeout=60)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert not any(name in error["message"] for name in ("messages", "max_completion_tokens", "response_format",
+                                                         "function."))
     assert_no_live_blocks(server.engine)
 
 

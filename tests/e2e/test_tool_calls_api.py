@@ -23,6 +23,8 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
                    "required": ["timezone"], "additionalProperties": False}}}
 TOOLS = [WEATHER, TIME]
+BAD_SCHEMA = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "strng"}}}}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -115,12 +117,27 @@ def test_auto_gives_a_well_formed_answer(client: openai.OpenAI) -> None:
     ({"tools": "not-a-list"}, "tools"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "strng"}}}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [BAD_SCHEMA], "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"tools": [WEATHER, BAD_SCHEMA], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools.1.function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tool_requests_are_400(client: openai.OpenAI, server: ServerThread, fields: dict, param: str) -> None:
+    """A forced call's bad schema is named by its field, in the schema's terms, not in those of the grammar
+    tokenmill writes around it."""
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **fields)
     assert caught.value.body["param"] == param  # type: ignore[index]
+    if param.endswith("parameters"):
+        message = caught.value.body["message"]  # type: ignore[index]
+        assert "function 'f': Invalid type: strng" in message and "%json" not in message and "\n" not in message
     assert_no_live_blocks(server.engine)
+
+
+@pytest.mark.parametrize("choice", ["auto", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_schema_no_forced_call_must_fit_is_not_compiled(client: openai.OpenAI, choice: str | dict) -> None:
+    """Under auto, or when another tool is named, a schema the backend cannot compile (it may be valid JSON Schema
+    the backend does not implement) is only shown to the model, as vLLM shows it."""
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tools=[WEATHER, BAD_SCHEMA],
+                                           tool_choice=choice)  # type: ignore[arg-type]
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")

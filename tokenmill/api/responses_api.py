@@ -125,8 +125,11 @@ class ResponsesRequest(RequestModel):
             fields["response_format"] = {"type": fmt.type}
         try:
             return ChatCompletionRequest.model_validate(fields)
-        except ValidationError as exc:
-            raise RequestError(f"input: {exc.errors()[0]['msg']}", param="input") from exc
+        except ValidationError as exc:  # the chat field at fault (the caller names it as this API does), or input
+            error = exc.errors()[0]
+            at = ".".join(str(part) for part in error["loc"])
+            param = "input" if not at or at.startswith("messages") else at
+            raise RequestError(f"{param}: {error['msg']}", param=param) from exc
 
 
 # --- input items -> chat messages --------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ async def _submit_chat(serving: Serving, body: ChatCompletionRequest
     parser that reads tool calls from its outputs (None: the request has no tools)."""
     params = body.sampling_params(serving.config)
     prompt_ids, parser = await asyncio.to_thread(_chat_prompt, serving, body)
-    forced = forced_call_spec(body, parser)
+    forced = await asyncio.to_thread(forced_call_spec, body, parser) if body.forced_tools() else None
     grammar = await _grammar(serving, (forced, "tools") if forced else body.structured_spec())
     tool_parser = parser if body.uses_tools else None
     if tool_parser is not None:
@@ -175,7 +175,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                      body.parallel_tool_calls, serving.engine.system_fingerprint)
 
 
-# A Responses request runs as a chat request: errors name the Responses field the chat field came from.
+# A Responses request runs as a chat request: errors name the Responses field the chat field came from (and
+# tools.N.function.X as tools.N.X).
 _RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens":
                      "max_output_tokens", "response_format": "text.format"}
 
@@ -192,8 +193,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     items = body.input_items()
     try:
         streams, prompt_tokens, tool_parser = await _submit_chat(serving, body.chat_request(history + items))
-    except RequestError as exc:
-        exc.param = _RESPONSES_PARAMS.get(exc.param or "", exc.param)
+    except RequestError as exc:  # named as the Responses API names the field, in the param and the message
+        old = exc.param or ""
+        new = _RESPONSES_PARAMS.get(old, old.replace(".function.", ".", 1) if old.startswith("tools.") else old)
+        if old and new != old:
+            exc.param = new
+            exc.message = exc.message.replace(f"{old}:", f"{new}:", 1)
         raise
     builder = ResponseBuilder(body, serving.model_id, prompt_tokens)
 

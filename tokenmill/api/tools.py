@@ -11,8 +11,10 @@ from typing import Any
 
 from tokenmill.api.protocol import ChatCompletionRequest
 from tokenmill.api.tool_parsers import ToolParser
+from tokenmill.errors import RequestError
 from tokenmill.loader.chat_template import ChatTemplate
 from tokenmill.structured import StructuredSpec
+from tokenmill.structured.backend import json_schema_error
 
 
 def template_inputs(body: ChatCompletionRequest, template: ChatTemplate, parser: type[ToolParser]
@@ -39,9 +41,16 @@ def template_inputs(body: ChatCompletionRequest, template: ChatTemplate, parser:
 
 def forced_call_spec(body: ChatCompletionRequest, parser: type[ToolParser]) -> StructuredSpec | None:
     """For tool_choice required or named: a grammar that makes the model write its own call format around one of
-    the allowed tools and arguments that fit its schema (several calls when required and parallel)."""
+    the allowed tools and arguments that fit its schema (several calls when required and parallel). A schema that
+    cannot constrain the arguments is the request's mistake, named by its field (run it off the event loop: the
+    check compiles each schema)."""
     tools = body.forced_tools()
     if tools is None:
         return None
+    index = {t.function.name: i for i, t in enumerate(body.tools or [])}
+    for tool in tools:
+        if error := json_schema_error(tool.get("parameters") or {}):
+            param = f"tools.{index[tool['name']]}.function.parameters"
+            raise RequestError(f"{param}: invalid schema for function {tool['name']!r}: {error}", param=param)
     parallel = body.tool_choice == "required" and body.parallel_tool_calls
     return StructuredSpec("lark", parser.call_grammar(tools, parallel))

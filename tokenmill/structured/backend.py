@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import llguidance
 import llguidance.numpy  # not llguidance.torch: that one imports torch.compile (~110 MiB resident)
@@ -39,6 +40,17 @@ def _grammar_text(spec: StructuredSpec) -> str:
     if spec.kind == "lark":
         return matcher.grammar_from_lark(spec.value)
     raise ValueError(f"unknown structured output kind {spec.kind!r}")
+
+
+def json_schema_error(schema: dict[str, Any]) -> str:
+    """Why schema cannot constrain a text ("" when it can), in the backend's words; checked without the tokenizer,
+    within the same limits as a compile. For a schema inside a grammar tokenmill writes (a forced tool call), whose
+    compile error would show that grammar."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except ValueError as exc:
+        return str(exc).strip()
+    return llguidance.LLMatcher.validate_grammar(grammar, limits=_LIMITS).strip()
 
 
 class Grammar:
