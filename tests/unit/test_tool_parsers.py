@@ -31,6 +31,8 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [
                                                               ("named_last", '{"late": [true, null]}')]),
     ("hermes", "Just text: 1 < 2, <tool_x> and <think tags>.\n", "Just text: 1 < 2, <tool_x> and <think tags>.\n", []),
     ("hermes", '<tool_call>{"name": "ping"}</tool_call>\nDone.', "Done.", [("ping", "{}")]),
+    ("hermes", 'Checking.\n<tool_call>{"name": "ping"}</tool_call>\n\nDone.', "Checking.\n\nDone.",
+     [("ping", "{}")]),
     ("hermes", "Use <tool_call> tags like <tool_call>this</tool_call>.",
      "Use <tool_call> tags like <tool_call>this</tool_call>.", []),
     ("hermes", 'A <tool_call>{"city": "Paris"}</tool_call> B', 'A <tool_call>{"city": "Paris"}</tool_call> B', []),
@@ -42,6 +44,8 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [
     ("smollm2", 'Sure. <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
      '"arguments": {"tz": "UTC"}}]</tool_call>', "Sure.", [("get_weather", '{"city": "Paris"}'),
                                                            ("get_time", '{"tz": "UTC"}')]),
+    ("smollm2", 'Sure. <tool_call>[{"name": "now", "arguments": {}}]</tool_call> Bye.', "Sure. Bye.",
+     [("now", "{}")]),
     ("smollm2", '<tool_call>{"name": "single", "arguments": {"q": "]</tool_call>"}}</tool_call>',
      None, [("single", '{"q": "]</tool_call>"}')]),
     ("smollm2", '<tool_call>[\n{"name": "a", "arguments": {"n": [[1], {"m": {}}]}},\n{"name": "b", "arguments": '
@@ -140,13 +144,21 @@ def test_content_is_held_back_only_while_it_may_begin_a_call() -> None:
     assert parser.feed(' {"name": "f"}').content == ' {"name": "f"}'  # only the answer's start can be a call
 
 
-def test_whitespace_around_calls_is_not_content() -> None:
+def test_whitespace_around_calls_is_content_only_between_text() -> None:
+    """Text on both sides of a call keeps the whitespace the model wrote after the call between them (before:
+    "Checking.Done"); whitespace that would lead or end the content, or lies between two calls, is none."""
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
     parser = PARSERS["hermes"]()
     assert parser.feed("Checking.\n\n").content == "Checking."
-    delta = parser.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n\n')
+    delta = parser.feed(call + "\n\n")
     assert (delta.content, [d.name for d in delta.calls]) == ("", ["f", None])
     assert parser.feed("\n").content == ""
-    assert parser.feed(" Done").content == "Done"
+    assert parser.feed(" Done").content == "\n\n\n Done"
+    for text, content in [(f"{call}\n Done", "Done"), (f"Checking.\n{call}\n", "Checking."),
+                          (f"Checking.\n{call}\n{call} \nDone", "Checking. \nDone"),
+                          (f"{call}\n{call}\n", None)]:
+        got, calls = parse_tool_calls(PARSERS["hermes"], text)
+        assert (got, len(calls)) == (content, text.count("<tool_call>")), text
 
 
 def test_a_call_is_named_once_and_in_order() -> None:

@@ -192,7 +192,9 @@ class ToolParser:
         self._pos = 0  # text before this is dealt with
         self._state = self._first
         self._held: int | None = 0  # where text that may yet turn out to be no call starts (None: none held)
-        self._strip = False  # whitespace that follows a call is not content
+        self._strip = False  # after a call: its whitespace is content only between text before it and text after
+        self._gap = 0  # where that whitespace ends, as far as it has arrived
+        self._wrote = False  # content other than whitespace went out
         self._call: _CallObject | None = None
         self._after_call = ""  # the state to go to once the call object ends
         self._named = False  # the current call object has its name, so it is a call
@@ -220,6 +222,7 @@ class ToolParser:
         out = ParsedDelta()
         while self._step(out, final):
             pass
+        self._wrote = self._wrote or bool(out.content.strip())
         return out
 
     def _step(self, out: ParsedDelta, final: bool) -> bool:
@@ -236,11 +239,13 @@ class ToolParser:
 
     def _read_text(self, out: ParsedDelta, final: bool) -> bool:
         buf = self._buf
-        if self._strip:
-            self._pos = _skip_ws(buf, self._pos)
-            if self._pos == len(buf):
+        if self._strip:  # text, or another call, may yet follow the whitespace
+            self._gap = _skip_ws(buf, self._gap)
+            if self._gap == len(buf):
                 return False
             self._strip = False
+            if not (self._wrote or out.content.strip()):  # it would lead the content
+                self._pos = self._gap
         pos, thinking = self._pos, self._state == _THINK
         tags = (_THINK_CLOSE,) if thinking else (*self._wrapper[_TEXT], _THINK_OPEN)
         found = min(((i, tag) for tag in tags if (i := buf.find(tag, pos)) >= 0), default=None)
@@ -275,6 +280,7 @@ class ToolParser:
                         self._held = at
                 else:
                     self._state, self._pos, self._strip = then, at + len(text), then == _TEXT
+                    self._gap = self._pos
                 return True
         if not final and any(text.startswith(buf[at:]) for text in self._wrapper[self._state]):
             return False
