@@ -145,6 +145,40 @@ def test_a_request_whose_text_fails_to_decode_fails_alone(smollm, prompt_ids, mo
         engine.stop()
 
 
+def test_an_output_that_cannot_be_built_or_delivered_ends_its_sequence_alone(smollm, prompt_ids,
+                                                                            monkeypatch) -> None:
+    """An output that raises while it is built (its prompt logprobs here) ends that request with an error; a sink
+    that raises (the loop of a reader that left, closed) ends its sequence unseen. Before, either stopped the
+    engine loop for every request."""
+    prompt_logprobs = Engine._prompt_logprobs
+
+    def failing(seq):
+        if seq.params.seed == 666:
+            raise RuntimeError("boom")
+        return prompt_logprobs(seq)
+
+    monkeypatch.setattr(Engine, "_prompt_logprobs", staticmethod(failing))
+    engine = start_engine(smollm)
+    try:
+        delivered = []
+
+        def closed(out: SequenceOutput) -> None:
+            delivered.append(out)
+            raise RuntimeError("Event loop is closed")
+
+        engine.add(prompt_ids[0], greedy(), closed)
+        params = [greedy() for _ in prompt_ids]
+        params[1] = greedy(seed=666)
+        outs = asyncio.run(_collect(engine, prompt_ids, params))
+        assert outs[1][-1].finish_reason == "error" and outs[1][-1].error
+        assert all(o[-1].finish_reason == "length" for i, o in enumerate(outs) if i != 1)
+        assert len(delivered) == 1 and delivered[0].finish_reason is None  # given one output, then ended
+        assert_no_live_blocks(engine)
+        assert generate(engine, prompt_ids[:1], [greedy()])[0]  # still serving
+    finally:
+        engine.stop()
+
+
 def test_prompt_logprobs_are_the_models_over_chunks_and_prefix_cache_hits(smollm, prompt_ids) -> None:
     """Each prompt token's logprob under the logits of the position before it and the top 3 there, as a whole
     prefill gives them, though the prompt runs in chunks of 16 and the same prompt's blocks sit in the prefix

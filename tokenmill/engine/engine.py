@@ -431,8 +431,32 @@ class Engine:
             self._finish(seq, "error", error)
 
     def _send(self, seq: Sequence, error: str | None = None) -> None:
+        """Hand the sequence's news to its sink. An output that fails to build ends the sequence with an error,
+        and a sink that raises (its reader's loop closed) ends it unseen: either way that sequence alone, not the
+        engine loop, and its blocks go back to the pool."""
+        try:
+            out = self._output(seq, error)
+        except Exception:
+            log.error("output of sequence %d failed:\n%s", seq.seq_id, traceback.format_exc())
+            if seq.status != Status.FINISHED:
+                self.scheduler.finish(seq, "error")
+            seq.finish_reason = "error"
+            out = SequenceOutput(seq.seq_id, "", [], [], "error", len(seq.prompt_ids), len(seq.output_ids),
+                                 error="internal error while preparing the output")
+        seq.num_sent_tokens, seq.pending_logprobs = len(seq.output_ids), []
+        if out.finish_reason is not None:
+            self._forget(seq)
+        try:
+            seq.sink(out)
+        except Exception:
+            log.error("sequence %d could not be given its output, it ends:\n%s", seq.seq_id, traceback.format_exc())
+            if out.finish_reason is None:
+                self.scheduler.finish(seq, "abort")
+                self._forget(seq)
+
+    def _output(self, seq: Sequence, error: str | None) -> SequenceOutput:
         final = seq.status == Status.FINISHED
-        out = SequenceOutput(
+        return SequenceOutput(
             seq_id=seq.seq_id, text=seq.detokenizer.take_delta(final=final),
             token_ids=seq.output_ids[seq.num_sent_tokens:], logprobs=seq.pending_logprobs,
             finish_reason=seq.finish_reason if final else None, prompt_tokens=len(seq.prompt_ids),
@@ -440,12 +464,12 @@ class Engine:
             embedding=self._embedding(seq) if final and seq.finish_reason == "stop" else None,
             prompt_logprobs=self._prompt_logprobs(seq),
         )
-        seq.num_sent_tokens, seq.pending_logprobs = len(seq.output_ids), []
-        if final:
-            self._seqs.pop(seq.seq_id, None)
-            if self.proposer is not None:
-                self.proposer.finish(seq)
-            with self._unfinished_lock:
-                self._unfinished -= 1
-            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
-        seq.sink(out)
+
+    def _forget(self, seq: Sequence) -> None:
+        """A finished sequence's last output is on its way: the engine's own records of it go."""
+        self._seqs.pop(seq.seq_id, None)
+        if self.proposer is not None:
+            self.proposer.finish(seq)
+        with self._unfinished_lock:
+            self._unfinished -= 1
+        self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
