@@ -35,11 +35,15 @@ case "$verb" in
     fi
     # Test files run in parallel workers (pytest-xdist; one file's tests stay on one worker, so its module fixtures
     # load once), each on one thread: two torch processes of two threads on two cores spin against each other.
-    # One worker per core and per 6 GiB of available memory, 4 at most (two workers on a 2-core VM peaked at 13.7 GiB
-    # together, one of them at 9.5 GiB: the real Gemma 3 against transformers takes 6.5 GiB alone). tests/unit/test_layer_kernels.py runs the C++ kernels on 1 and 3 threads.
-    # `-n 0` runs the tests in this process, one after another.
-    workers=$(nproc)
+    # One worker per core and per 6 GiB of available memory (also under a container's limit), 4 at most: two workers
+    # on a 2-core VM peaked at 13.7 GiB together, one at 9.5 GiB (the real Gemma 3 against transformers takes 6.5
+    # GiB alone). tests/unit/test_layer_kernels.py runs the C++ kernels on 1 and 3 threads. `-n 0` runs the tests
+    # in this process, one after another. (GNU nproc would count OMP_NUM_THREADS as the cores.)
+    workers=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null \
+      || echo 1)
     memory=$(awk '/^MemAvailable:/ {print int($2 / 6291456)}' /proc/meminfo 2>/dev/null || echo 1)
+    limit=$(cat /sys/fs/cgroup/memory.max 2>/dev/null || echo max)
+    [ "$limit" = max ] || memory=$(( limit / 6442450944 < ${memory:-1} ? limit / 6442450944 : ${memory:-1} ))
     for limit in "${memory:-1}" 4; do [ "$workers" -le "$limit" ] || workers=$limit; done
     [ "$workers" -ge 1 ] || workers=1
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} exec "$py" -m pytest -n "$workers" --dist loadfile --durations=15 "$@" ;;

@@ -174,6 +174,7 @@ def test_an_output_that_cannot_be_built_or_delivered_ends_its_sequence_alone(smo
         assert all(o[-1].finish_reason == "length" for i, o in enumerate(outs) if i != 1)
         assert len(delivered) == 1 and delivered[0].finish_reason is None  # given one output, then ended
         assert_no_live_blocks(engine)
+        assert engine.num_unfinished == 0  # each counted out once
         assert generate(engine, prompt_ids[:1], [greedy()])[0]  # still serving
     finally:
         engine.stop()

@@ -22,7 +22,7 @@ from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
 from tokenmill.api.sse import sse_done, sse_event
 from tokenmill.api.tool_parsers import ToolParser, choose_parser
-from tokenmill.api.tools import forced_call_spec, template_inputs
+from tokenmill.api.tools import check_forced_schemas, forced_call_spec, template_inputs
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
@@ -145,8 +145,13 @@ async def _submit_chat(serving: Serving, body: ChatCompletionRequest
     parser that reads tool calls from its outputs (None: the request has no tools)."""
     params = body.sampling_params(serving.config)
     prompt_ids, parser = await asyncio.to_thread(_chat_prompt, serving, body)
-    forced = await asyncio.to_thread(forced_call_spec, body, parser) if body.forced_tools() else None
-    grammar = await _grammar(serving, (forced, "tools") if forced else body.structured_spec())
+    forced = forced_call_spec(body, parser)
+    try:
+        grammar = await _grammar(serving, (forced, "tools") if forced else body.structured_spec())
+    except RequestError:
+        if forced:
+            await asyncio.to_thread(check_forced_schemas, body, parser)
+        raise
     tool_parser = parser if body.uses_tools else None
     if tool_parser is not None:
         tk = serving.engine.tokenizer

@@ -348,11 +348,12 @@ class ToolParser:
         render_calls writes them: each call's name first, then arguments that fit that tool's schema."""
         before, between, after = ([json.dumps(part)] if part else [] for part in cls._layout)  # JSON's escapes
         more = [f"({between[0]} call)*"] if parallel else []
-        calls = " | ".join(f"%json {json.dumps(cls._call_schema(tool))}" for tool in tools)
+        calls = " | ".join(f"%json {json.dumps(cls.call_schema(tool))}" for tool in tools)
         return f"start: {' '.join([*before, 'call', *more, *after])}\ncall: {calls}"
 
     @classmethod
-    def _call_schema(cls, tool: dict[str, Any]) -> dict[str, Any]:
+    def call_schema(cls, tool: dict[str, Any]) -> dict[str, Any]:
+        """The JSON schema of one call of this tool: its name, and arguments that fit its parameters."""
         # No parameters: an empty parameter list, as OpenAI reads it
         params = dict(tool.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False})
         # References such as "#/$defs/Item" resolve from the root of the embedded schema: move definitions there.

@@ -41,16 +41,19 @@ def template_inputs(body: ChatCompletionRequest, template: ChatTemplate, parser:
 
 def forced_call_spec(body: ChatCompletionRequest, parser: type[ToolParser]) -> StructuredSpec | None:
     """For tool_choice required or named: a grammar that makes the model write its own call format around one of
-    the allowed tools and arguments that fit its schema (several calls when required and parallel). A schema that
-    cannot constrain the arguments is the request's mistake, named by its field (run it off the event loop: the
-    check compiles each schema)."""
+    the allowed tools and arguments that fit its schema (several calls when required and parallel)."""
     tools = body.forced_tools()
     if tools is None:
         return None
-    index = {t.function.name: i for i, t in enumerate(body.tools or [])}
-    for tool in tools:
-        if error := json_schema_error(tool.get("parameters") or {}):
-            param = f"tools.{index[tool['name']]}.function.parameters"
-            raise RequestError(f"{param}: invalid schema for function {tool['name']!r}: {error}", param=param)
     parallel = body.tool_choice == "required" and body.parallel_tool_calls
     return StructuredSpec("lark", parser.call_grammar(tools, parallel))
+
+
+def check_forced_schemas(body: ChatCompletionRequest, parser: type[ToolParser]) -> None:
+    """Where a forced call's grammar did not compile: the tool whose schema is at fault, named by its field and in
+    the schema's terms, not those of the grammar around it (each schema compiles on its own)."""
+    index = {t.function.name: i for i, t in enumerate(body.tools or [])}
+    for tool in body.forced_tools() or []:
+        if error := json_schema_error(parser.call_schema(tool)):
+            param = f"tools.{index[tool['name']]}.function.parameters"
+            raise RequestError(f"{param}: invalid schema for function {tool['name']!r}: {error}", param=param)
