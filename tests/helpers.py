@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from gguf.quants import dequantize, quantize
 from tokenmill.api.app import create_app
 from tokenmill.api.engine_client import EngineClient, RequestStream
 from tokenmill.api.guards import ServingState
-from tokenmill.api.server import TokenmillServer
+from tokenmill.api.server import TokenmillServer, listen
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.engine import Engine
@@ -375,18 +376,14 @@ def start_engine(loaded: LoadedModel, **config) -> Engine:
     return engine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerThread:
     """The server tokenmill serve runs, on a free loopback port, in a thread of this process."""
 
     def __init__(self, loaded: LoadedModel, model_id: str, server_config: ServerConfig | None = None,
                  **engine_config) -> None:
-        self.port = free_port()
+        # Listening from here on, on a port the kernel picked: no other test (or worker) can take it meanwhile
+        self.sockets = listen("127.0.0.1", 0)
+        self.port = self.sockets[0].getsockname()[1]
         self.engine = Engine(EngineConfig(**engine_config), loaded)
         config = server_config or ServerConfig()
         if config.responses_store is None:  # not the user's cache: a store of this server's own
@@ -395,7 +392,7 @@ class ServerThread:
         app = create_app(self.engine, model_id, None, config, self.state)
         self.server = TokenmillServer(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"),
                                       self.engine, self.state, config.shutdown_timeout)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": self.sockets}, daemon=True)
 
     @property
     def root_url(self) -> str:
@@ -435,12 +432,12 @@ class ServerProcess:
     """`tokenmill serve` in a child process, as users run it; for signals, exit codes and memory."""
 
     def __init__(self, model: Path, *flags: str) -> None:
-        self.port = free_port()
-        self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could fill up and block the server
+        self.port = 0  # the kernel picks it, the server says it (a port picked here could be taken meanwhile)
+        self.log = tempfile.TemporaryFile()  # a pipe nobody reads could fill up and block the server
         store = Path(tempfile.mkdtemp()) / "responses.sqlite3"  # not the user's cache, as ServerThread's
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill", "serve", str(model), "--served-model-name", "tiny", "--port",
-             str(self.port), "--threads", "1", "--log-level", "warning", "--responses-store", str(store), *flags],
+            [sys.executable, "-m", "tokenmill", "serve", str(model), "--served-model-name", "tiny", "--port", "0",
+             "--threads", "1", "--log-level", "info", "--responses-store", str(store), *flags],
             stdout=subprocess.DEVNULL, stderr=self.log, text=True,
         )
 
@@ -458,8 +455,11 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         deadline = time.time() + 120
         while time.time() < deadline and self.proc.poll() is None:
+            if not self.port:
+                said = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", self.output())
+                self.port = int(said.group(1)) if said else 0
             try:
-                if httpx.get(self.root_url + "/health").status_code == 200:
+                if self.port and httpx.get(self.root_url + "/health").status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
@@ -469,8 +469,9 @@ class ServerProcess:
         raise RuntimeError(f"the server did not start: {output}")
 
     def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
+        """The server's log so far; read without moving the offset it shares with the server, which still writes."""
+        fd = self.log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:
