@@ -146,6 +146,7 @@ def test_a_json_schema_text_format_is_followed(client: openai.OpenAI) -> None:
     ({"tools": [WEATHER, {**WEATHER, "name": "f", "parameters": {"type": "object", "properties": {"a": {
         "type": "strng"}}}}], "tool_choice": "required"}, "tools.1.parameters"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strng"}}}}, "text.format"),
+    ({"input": []}, "input"),
     ({"surely_not_a_field": 1}, "surely_not_a_field"),
 ])
 def test_what_is_not_served_is_a_400_naming_its_field(server: ServerThread, fields: dict, param: str) -> None:

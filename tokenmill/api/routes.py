@@ -203,7 +203,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         new = _RESPONSES_PARAMS.get(old, old.replace(".function.", ".", 1) if old.startswith("tools.") else old)
         if old and new != old:
             exc.param = new
-            exc.message = exc.message.replace(f"{old}:", f"{new}:", 1)
+            exc.message = new + exc.message[len(old):] if exc.message.startswith(old) else exc.message
         raise
     builder = ResponseBuilder(body, serving.model_id, prompt_tokens)
 
