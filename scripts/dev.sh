@@ -42,9 +42,9 @@ case "$verb" in
     workers=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null \
       || echo 1)
     memory=$(awk '/^MemAvailable:/ {print int($2 / 6291456)}' /proc/meminfo 2>/dev/null || echo 1)
-    limit=$(cat /sys/fs/cgroup/memory.max 2>/dev/null || echo max)
-    [ "$limit" = max ] || memory=$(( limit / 6442450944 < ${memory:-1} ? limit / 6442450944 : ${memory:-1} ))
-    for limit in "${memory:-1}" 4; do [ "$workers" -le "$limit" ] || workers=$limit; done
+    container=$(cat /sys/fs/cgroup/memory.max 2>/dev/null || echo max)
+    [ "$container" = max ] && container=4 || container=$(( container / 6442450944 ))
+    for limit in "${memory:-1}" "$container" 4; do [ "$workers" -le "$limit" ] || workers=$limit; done
     [ "$workers" -ge 1 ] || workers=1
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} exec "$py" -m pytest -n "$workers" --dist loadfile --durations=15 "$@" ;;
   mutate) exec "$py" scripts/mutate.py "$@" ;;
