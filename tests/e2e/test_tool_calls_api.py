@@ -4,6 +4,7 @@ template does not render tools: tokenmill shows them in SmolLM2's own format, `<
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
@@ -131,6 +132,29 @@ def test_bad_tool_requests_are_400(client: openai.OpenAI, server: ServerThread, 
     if param.endswith("parameters"):
         message = caught.value.body["message"]  # type: ignore[index]
         assert "function 'f': Invalid type: strng" in message and "%json" not in message and "\n" not in message
+    assert_no_live_blocks(server.engine)
+
+
+def hostile_tool(name: str, pattern: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}, "required": ["a"]}}}
+
+
+@pytest.mark.parametrize("tools, refused", [
+    ([hostile_tool("f", "(a{1000}){1000}")], None),  # compiles at once; its lexer takes a second to build
+    # a failed compile checks each forced schema on its own: 127 slow ones before the bad one
+    ([hostile_tool(f"f{i}", "(a{100}){100}") for i in range(127)] + [BAD_SCHEMA], "tools.127.function.parameters"),
+], ids=["one", "many"])
+def test_hostile_forced_schemas_are_answered_in_bounded_time_and_the_server_keeps_serving(
+        client: openai.OpenAI, server: ServerThread, tools: list[dict], refused: str | None) -> None:
+    started = time.perf_counter()
+    try:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, tools=tools, tool_choice="required")
+        param = None
+    except openai.BadRequestError as exc:
+        param = exc.body["param"]  # type: ignore[index]
+    assert param == refused and time.perf_counter() - started < 15
+    assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3).choices[0].message.content
     assert_no_live_blocks(server.engine)
 
 
