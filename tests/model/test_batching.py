@@ -180,6 +180,25 @@ def test_an_output_that_cannot_be_built_or_delivered_ends_its_sequence_alone(smo
         engine.stop()
 
 
+def test_a_sequence_that_cannot_be_added_fails_alone(smollm, prompt_ids) -> None:
+    """A sequence the engine cannot set up (here a seed past the 64 bits torch's generator takes, which the API
+    refuses or wraps) ends with an error output and is counted out; the ones added beside it run, and the engine
+    keeps serving. Before, the engine loop died on it and the server stopped."""
+    engine = start_engine(smollm)
+    try:
+        params = [greedy() for _ in prompt_ids]
+        params[1] = greedy(seed=2**64)
+        outs = asyncio.run(_collect(engine, prompt_ids, params))
+        assert len(outs[1]) == 1 and outs[1][0].finish_reason == "error" and outs[1][0].error
+        assert outs[1][0].prompt_tokens == len(prompt_ids[1])
+        assert all(o[-1].finish_reason == "length" for i, o in enumerate(outs) if i != 1)
+        assert engine.num_unfinished == 0
+        assert_no_live_blocks(engine)
+        assert generate(engine, prompt_ids[:1], [greedy()])[0]  # still serving
+    finally:
+        engine.stop()
+
+
 def test_prompt_logprobs_are_the_models_over_chunks_and_prefix_cache_hits(smollm, prompt_ids) -> None:
     """Each prompt token's logprob under the logits of the position before it and the top 3 there, as a whole
     prefill gives them, though the prompt runs in chunks of 16 and the same prompt's blocks sit in the prefix

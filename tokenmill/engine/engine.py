@@ -280,16 +280,28 @@ class Engine:
     def _add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink, arrival: float,
              grammar: Grammar | None, embed: bool) -> None:
         device = self.runner.device
-        seq = Sequence(
-            seq_id=seq_id, prompt_ids=prompt_ids, params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
-                                               params.include_stop_str_in_output, params.shown_special_token_ids,
-                                               params.min_tokens),
-            sink=sink, arrival_time=arrival,
-            # A seeded request samples from its own stream, so its tokens do not depend on its neighbours.
-            generator=None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed),
-            grammar=grammar, pooling=self.config.pooling if embed else None,
-        )
+        try:
+            seq = Sequence(
+                seq_id=seq_id, prompt_ids=prompt_ids, params=params,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
+                                                   params.include_stop_str_in_output, params.shown_special_token_ids,
+                                                   params.min_tokens),
+                sink=sink, arrival_time=arrival,
+                # A seeded request samples from its own stream, so its tokens do not depend on its neighbours.
+                generator=None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed),
+                grammar=grammar, pooling=self.config.pooling if embed else None,
+            )
+        except Exception:
+            # A request the engine cannot take (one the API should have refused) fails alone, not the engine loop.
+            log.error("sequence %d could not be added:\n%s", seq_id, traceback.format_exc())
+            with self._unfinished_lock:
+                self._unfinished -= 1
+            try:
+                sink(SequenceOutput(seq_id, "", [], [], "error", len(prompt_ids), 0,
+                                    error="internal error while adding the request"))
+            except Exception:
+                log.error("sequence %d could not be given its error:\n%s", seq_id, traceback.format_exc())
+            return
         self._seqs[seq_id] = seq
         self.scheduler.add(seq)
 
