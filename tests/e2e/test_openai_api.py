@@ -114,6 +114,30 @@ def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:
     assert len({sample(1234), sample(1), sample(2), sample(3)}) > 1
 
 
+def test_a_seed_near_two_to_the_64_wraps_for_the_later_choices(client: openai.OpenAI) -> None:
+    """Choice i samples with seed + i; past the 64 bits a generator takes, it wraps (2**64 - 1 + 1 is 0). Before,
+    seed + 1 = 2**64 killed the engine loop and the server with it."""
+    def sample(seed: int, n: int) -> list[str | None]:
+        return [c.message.content for c in client.chat.completions.create(
+            model=MODEL, messages=FRANCE, temperature=1.0, max_tokens=12, seed=seed, n=n).choices]
+
+    wrapped = sample(2**64 - 1, 2)
+    assert wrapped == [sample(2**64 - 1, 1)[0], sample(0, 1)[0]]
+    assert client.models.list().data  # still serving
+
+
+def test_null_means_the_default(client: openai.OpenAI) -> None:
+    """OpenAI's SDK and API declare n, stream, logprobs and echo nullable; null is their default, not a 400."""
+    reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=6, n=None,
+                                           stream=None, logprobs=None, parallel_tool_calls=None)
+    assert len(reply.choices) == 1 and reply.choices[0].logprobs is None
+    assert reply.choices[0].message.content == client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=6).choices[0].message.content
+    done = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                     echo=None, n=None, stream=None)
+    assert len(done.choices) == 1 and not done.choices[0].text.startswith("The capital")
+
+
 def test_stop_strings(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, stop=["Paris"])
     text = reply.choices[0].message.content

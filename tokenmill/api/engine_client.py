@@ -73,17 +73,21 @@ class EngineClient:
         self.engine = engine
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1, prompt_param: str = "prompt",
-               grammar: CompiledGrammar | None = None, embed: bool = False) -> list[RequestStream]:
+               grammar: CompiledGrammar | None = None, embed: bool = False,
+               max_tokens_param: str = "max_tokens") -> list[RequestStream]:
         """n sequences per prompt, all or none; call from the event loop. A seeded request gives choice i the
-        seed + i, so choices differ but repeat. prompt_param names the prompt's field in errors; grammar: what every
+        seed + i, so choices differ but repeat. prompt_param and max_tokens_param name the prompt's field and the
+        output length's in errors; grammar: what every
         sequence's text must match (each follows it on its own); embed: each prompt's pooled hidden state is its
         one output (see Engine.add)."""
         self._check_capacity(len(prompts) * n)
-        admitted = [(ids, self._admit(ids, params, prompt_param)) for ids in prompts]  # every check before any add
+        # every check before any add
+        admitted = [(ids, self._admit(ids, params, prompt_param, max_tokens_param)) for ids in prompts]
         streams = []
         for prompt_ids, resolved in admitted:
             for i in range(n):
-                p = resolved if resolved.seed is None or i == 0 else replace(resolved, seed=resolved.seed + i)
+                # torch's generators take a seed's 64 bits: seed + i past 2**64 - 1 wraps, as it would in them
+                p = resolved if resolved.seed is None or i == 0 else replace(resolved, seed=(resolved.seed + i) % 2**64)
                 stream = RequestStream(self.engine)
                 stream.seq_id = self.engine.add(prompt_ids, p, stream.put, grammar.new() if grammar else None, embed)
                 streams.append(stream)
@@ -102,7 +106,8 @@ class EngineClient:
             raise ServerBusyError(f"The server is busy: {engine.waiting_with(0)} sequences are waiting, the queue "
                                   f"holds {limit}. Retry later.")
 
-    def _admit(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> SamplingParams:
+    def _admit(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
+               max_tokens_param: str) -> SamplingParams:
         """Check what needs the model, and resolve max_tokens against the context: the params the sequence runs
         with."""
         vocab = self.engine.tokenizer.vocab_size
@@ -119,9 +124,10 @@ class EngineClient:
                                param="logit_bias")
         if (token_id := outside(params.stop_token_ids)) is not None:
             raise RequestError(f"stop_token_ids: {token_id} is outside the vocabulary", param="stop_token_ids")
-        return replace(params, max_tokens=self._max_tokens(len(prompt_ids), params.max_tokens, prompt_param))
+        return replace(params, max_tokens=self._max_tokens(len(prompt_ids), params.max_tokens, prompt_param,
+                                                           max_tokens_param))
 
-    def _max_tokens(self, prompt_len: int, asked: int | None, prompt_param: str) -> int:
+    def _max_tokens(self, prompt_len: int, asked: int | None, prompt_param: str, max_tokens_param: str) -> int:
         """What was asked, or the rest of the context; refuses what can never fit, with the numbers. The engine
         serves no context longer than its KV memory holds, so what fits the context fits the memory."""
         limit = self.engine.max_model_len
@@ -131,7 +137,7 @@ class EngineClient:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + (asked or 1)} tokens ({prompt_len} in the prompt, {asked or 1} for the completion). "
                 f"Please reduce the length of the prompt or of the completion.",
-                param="max_tokens" if room >= 1 else prompt_param, code="context_length_exceeded",
+                param=max_tokens_param if room >= 1 else prompt_param, code="context_length_exceeded",
             )
         return room if asked is None else asked
 

@@ -78,6 +78,18 @@ class RequestModel(BaseModel):
             raise RequestError(f"{at}: the text is not valid Unicode (a lone surrogate escape?)", param=at)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit null for a field with a default that is not None means that default: OpenAI's API and SDK
+        declare n, stream, logprobs, echo... nullable, and clients send None for "unset"."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()
+                or fields[key].get_default() is None}
+
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> RequestModel:
         fields = type(self).model_fields
@@ -346,8 +358,13 @@ class ChatCompletionRequest(SamplingFields):
             raise RequestError(f"at most {limits.max_messages} messages are allowed", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = getattr(self, self.max_tokens_param)
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, limits)
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field that bounds the answer's length: max_completion_tokens where given (it replaced max_tokens)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def _check_tools(self) -> None:
         names = [t.function.name for t in self.tools or []]

@@ -156,7 +156,8 @@ async def _submit_chat(serving: Serving, body: ChatCompletionRequest
     if tool_parser is not None:
         tk = serving.engine.tokenizer
         params = replace(params, shown_special_token_ids=tk.special_token_ids(parser.delimiters))
-    streams = serving.client.submit([prompt_ids], params, body.n, prompt_param="messages", grammar=grammar)
+    streams = serving.client.submit([prompt_ids], params, body.n, prompt_param="messages", grammar=grammar,
+                                    max_tokens_param=body.max_tokens_param)
     return streams, len(prompt_ids), tool_parser
 
 
