@@ -386,8 +386,10 @@ class ServerThread:
         self.port = self.sockets[0].getsockname()[1]
         self.engine = Engine(EngineConfig(**engine_config), loaded)
         config = server_config or ServerConfig()
-        if config.responses_store is None:  # not the user's cache: a store of this server's own
-            config = replace(config, responses_store=str(Path(tempfile.mkdtemp()) / "responses.sqlite3"))
+        # Not the user's cache: a store of this server's own, in a folder removed with this object (or at exit)
+        self.store_dir = tempfile.TemporaryDirectory(prefix="tokenmill-test-")
+        if config.responses_store is None:
+            config = replace(config, responses_store=str(Path(self.store_dir.name) / "responses.sqlite3"))
         self.state = ServingState()
         app = create_app(self.engine, model_id, None, config, self.state)
         self.server = TokenmillServer(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"),
@@ -414,6 +416,7 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.store_dir.cleanup()
 
 
 def openai_client(server: ServerThread, timeout: float = 120) -> openai.OpenAI:
@@ -434,7 +437,8 @@ class ServerProcess:
     def __init__(self, model: Path, *flags: str) -> None:
         self.port = 0  # the kernel picks it, the server says it (a port picked here could be taken meanwhile)
         self.log = tempfile.TemporaryFile()  # a pipe nobody reads could fill up and block the server
-        store = Path(tempfile.mkdtemp()) / "responses.sqlite3"  # not the user's cache, as ServerThread's
+        self.store_dir = tempfile.TemporaryDirectory(prefix="tokenmill-test-")  # as ServerThread's
+        store = Path(self.store_dir.name) / "responses.sqlite3"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenmill", "serve", str(model), "--served-model-name", "tiny", "--port", "0",
              "--threads", "1", "--log-level", "info", "--responses-store", str(store), *flags],
@@ -478,3 +482,4 @@ class ServerProcess:
             self.proc.kill()
         self.proc.wait()
         self.log.close()
+        self.store_dir.cleanup()
