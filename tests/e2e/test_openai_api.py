@@ -138,6 +138,34 @@ def test_null_means_the_default(client: openai.OpenAI) -> None:
     assert len(done.choices) == 1 and not done.choices[0].text.startswith("The capital")
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, each chunk of a choice carries that
+    choice's usage so far (its prompt's tokens, its completion tokens), and the last chunk the request's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, n=2, temperature=1.0, seed=3,
+                                                 max_tokens=8, stream=True, stream_options=options))
+    *body, last = chunks
+    assert all(c.usage is not None for c in body) and not last.choices
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for c in body:
+        counts[c.choices[0].index].append(c.usage.completion_tokens)
+        assert c.usage.prompt_tokens == last.usage.prompt_tokens
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    assert all(seen[0] == 0 and seen == sorted(seen) and seen[-1] >= 1 for seen in counts.values())
+    assert counts[0][-1] + counts[1][-1] == last.usage.completion_tokens
+    prompts = ["The capital of France is", "One, two, three, four, five,"]
+    lengths = [len(client.completions.create(model=MODEL, prompt=p, max_tokens=1, echo=True, logprobs=0
+                                             ).choices[0].logprobs.tokens) - 1 for p in prompts]
+    assert lengths[0] != lengths[1]
+    pieces = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, stream=True,
+                                            stream_options=options))
+    assert {(c.choices[0].index, c.usage.prompt_tokens) for c in pieces[:-1]} == {(0, lengths[0]), (1, lengths[1])}
+    assert pieces[-1].usage.prompt_tokens == sum(lengths)
+    plain = list(client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=4, stream=True,
+                                                stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)  # as vLLM: only with include_usage
+
+
 def test_stop_strings(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, stop=["Paris"])
     text = reply.choices[0].message.content

@@ -102,6 +102,7 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
     include_obfuscation: bool | None = no_effect(why="stream events are not padded: nothing to obfuscate")
 
 

@@ -248,19 +248,41 @@ def embeddings(model: str, vectors: list[list[float]], prompt_tokens: int, encod
 
 
 def _chunker(request_id: str, object_: str, model: str, include_usage: bool,
-             fingerprint: str | None) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+             fingerprint: str | None) -> Callable[..., dict[str, Any]]:
     """Chunks of one stream share id, object, created, model and system_fingerprint; with include_usage each
-    carries usage: null."""
+    carries usage: null, or the usage given (vLLM's continuous_usage_stats)."""
     created = int(time.time())
 
-    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body = {"id": request_id, "object": object_, "created": created, "model": model,
                 "system_fingerprint": fingerprint, "choices": choices}
         if include_usage:
-            body["usage"] = None
+            body["usage"] = usage
         return body
 
     return chunk
+
+
+class _ChoiceUsage:
+    """Each choice's completion and cached tokens so far, for the last chunk's usage and, with vLLM's
+    continuous_usage_stats (prompt_lengths: each prompt's tokens, choice i's being prompt i // n), every chunk's."""
+
+    def __init__(self, n: int, prompt_lengths: list[int] | None) -> None:
+        self.n, self.prompt_lengths = n, prompt_lengths
+        self.completion: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+
+    def record(self, index: int, out: SequenceOutput) -> None:
+        self.completion[index], self.cached[index] = out.completion_tokens, out.cached_tokens
+
+    def of(self, index: int) -> dict[str, Any] | None:
+        """Choice index's usage so far where every chunk carries one, else None."""
+        if self.prompt_lengths is None:
+            return None
+        return _usage(self.prompt_lengths[index // self.n], self.completion.get(index, 0), self.cached.get(index, 0))
+
+    def total(self, prompt_tokens: int) -> dict[str, Any]:
+        return _usage(prompt_tokens, sum(self.completion.values()), _cached(self.cached, self.n))
 
 
 def _stream_error(out: SequenceOutput) -> dict[str, Any]:
@@ -279,14 +301,14 @@ def _tool_call_delta(delta: ToolCallDelta, call_ids: dict[int, str]) -> dict[str
 async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,
                       tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]],
                       tool_parser: type[ToolParser] | None = None, parallel: bool = True,
-                      fingerprint: str | None = None) -> AsyncIterator[dict[str, Any]]:
+                      fingerprint: str | None = None,
+                      continuous_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
     """tool_parser, parallel, fingerprint: as in chat_completion; calls stream as tool_calls deltas, the rest as
-    content."""
+    content. continuous_usage: every chunk carries its choice's usage so far (with include_usage)."""
     chunk = _chunker(request_id, "chat.completion.chunk", model, include_usage, fingerprint)
+    usage = _ChoiceUsage(n, [prompt_tokens] if continuous_usage else None)
 
     started: set[int] = set()
-    completion_tokens: dict[int, int] = {}
-    cached: dict[int, int] = {}
     parsers: dict[int, ToolParser] = {}
     call_ids: dict[int, dict[int, str]] = {}
     async for index, out in outputs:
@@ -296,9 +318,8 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
         if index not in started:
             started.add(index)
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        completion_tokens[index] = out.completion_tokens
-        cached[index] = out.cached_tokens
+                          "finish_reason": None}], usage.of(index))
+        usage.record(index, out)
         content, calls = out.text, []
         if tool_parser is not None:
             parser = parsers.setdefault(index, tool_parser())
@@ -309,36 +330,36 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
             logprobs = {"content": chat_logprobs(tk, out.logprobs, _shown(tk, tool_parser)), "refusal": None} \
                 if out.logprobs else None
             yield chunk([{"index": index, "delta": {"content": content}, "logprobs": logprobs,
-                          "finish_reason": None}])
+                          "finish_reason": None}], usage.of(index))
         for delta in calls:
             yield chunk([{"index": index, "delta": {"tool_calls": [
-                _tool_call_delta(delta, call_ids.setdefault(index, {}))]}, "logprobs": None, "finish_reason": None}])
+                _tool_call_delta(delta, call_ids.setdefault(index, {}))]}, "logprobs": None, "finish_reason": None}],
+                usage.of(index))
         if out.finish_reason is not None:
             called = index in parsers and parsers[index].called
             yield chunk([{"index": index, "delta": {}, "logprobs": None,
-                          "finish_reason": _finish_reason(out.finish_reason, called)}])
+                          "finish_reason": _finish_reason(out.finish_reason, called)}], usage.of(index))
     if include_usage:
-        yield {**chunk([]), "usage": _usage(prompt_tokens, sum(completion_tokens.values()), _cached(cached, n))}
+        yield chunk([], usage.total(prompt_tokens))
 
 
-async def completion_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,
+async def completion_chunks(request_id: str, model: str, prompt_lengths: list[int], include_usage: bool, n: int,
                             tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]],
-                            fingerprint: str | None = None) -> AsyncIterator[dict[str, Any]]:
+                            fingerprint: str | None = None,
+                            continuous_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
+    """prompt_lengths: each prompt's tokens (choice i answers prompt i // n); continuous_usage: as chat_chunks'."""
     chunk = _chunker(request_id, "text_completion", model, include_usage, fingerprint)
-
-    completion_tokens: dict[int, int] = {}
-    cached: dict[int, int] = {}
+    usage = _ChoiceUsage(n, prompt_lengths if continuous_usage else None)
     offsets: dict[int, TextOffsets] = {}
     async for index, out in outputs:
         if out.finish_reason == "error":
             yield _stream_error(out)
             return
-        completion_tokens[index] = out.completion_tokens
-        cached[index] = out.cached_tokens
+        usage.record(index, out)
         if out.text or out.logprobs or out.finish_reason is not None:
             logprobs = completion_logprobs(tk, out.logprobs, offsets.setdefault(index, TextOffsets())) \
                 if out.logprobs else None
             yield chunk([{"index": index, "text": out.text, "logprobs": logprobs,
-                          "finish_reason": out.finish_reason}])
+                          "finish_reason": out.finish_reason}], usage.of(index))
     if include_usage:
-        yield {**chunk([]), "usage": _usage(prompt_tokens, sum(completion_tokens.values()), _cached(cached, n))}
+        yield chunk([], usage.total(sum(prompt_lengths)))

@@ -17,7 +17,7 @@ from tokenmill.api import responses
 from tokenmill.api.engine_client import EngineClient, RequestStream, collect, merge
 from tokenmill.api.errors import error_response
 from tokenmill.api.guards import ServingState
-from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
 from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
 from tokenmill.api.sse import sse_done, sse_event
@@ -169,10 +169,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     tk = serving.engine.tokenizer
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, continuous = _usage_options(body)
         chunks = responses.chat_chunks(request_id, serving.model_id, prompt_tokens, include_usage, body.n, tk,
                                        merge(streams), tool_parser, body.parallel_tool_calls,
-                                       serving.engine.system_fingerprint)
+                                       serving.engine.system_fingerprint, continuous)
         return _sse_response(chunks, streams)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
@@ -263,9 +263,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = responses.completion_chunks(request_id, serving.model_id, prompt_tokens, include_usage, body.n, tk,
-                                             merge(streams), serving.engine.system_fingerprint)
+        include_usage, continuous = _usage_options(body)
+        chunks = responses.completion_chunks(request_id, serving.model_id, [len(p) for p in prompts], include_usage,
+                                             body.n, tk, merge(streams), serving.engine.system_fingerprint,
+                                             continuous)
         return _sse_response(chunks, streams)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
@@ -325,6 +326,14 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read: what comes next on the channel is that)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _usage_options(body: SamplingFields) -> tuple[bool, bool]:
+    """A stream's usage: in a last chunk (include_usage), and also in every chunk, each choice's so far (vLLM's
+    continuous_usage_stats, which takes effect with include_usage, as in vLLM)."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
 
 
 def _sse_response(chunks: AsyncIterator[dict], streams: list[RequestStream], done: bool = True) -> StreamingResponse:
