@@ -293,9 +293,11 @@ def counted(counter: Any) -> float:
     return counter.collect()[0].samples[0].value
 
 
-def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    """Submit several sequences at once (so they share engine steps) and return their token ids."""
-    return asyncio.run(_generate(engine, prompts, params))
+def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+             timeout: float | None = None) -> list[list[int]]:
+    """Submit several sequences at once (so they share engine steps) and return their token ids; timeout: seconds
+    after which the test fails (a sequence that never runs), if given."""
+    return asyncio.run(asyncio.wait_for(_generate(engine, prompts, params), timeout))
 
 
 def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:

@@ -191,6 +191,31 @@ def test_the_sliding_layers_keep_their_windows_alone(folder: Path) -> None:
         engine.stop()
 
 
+def test_without_chunked_prefill_a_prompt_longer_than_a_step_runs_whole(folder: Path) -> None:
+    """--no-chunked-prefill runs a prompt longer than the step's budget alone and whole, so every token of it needs
+    a sliding block at once: the sliding pool makes room for a whole context. Before, it held the windows and one
+    step's budget; such a prompt never found room, and every request behind it waited for ever."""
+    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    prompts = [PROMPT * 3, PROMPT[:5]]  # 120 tokens: 30 blocks of 4, where the windows and a step took 8
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True) for i in range(2)]
+    config = {"block_size": 4, "max_num_seqs": 2, "max_num_batched_tokens": 8, "chunked_prefill": False,
+              "kv_cache_memory": "1MiB"}
+    engine = start_engine(loaded, sliding_window_kv=False, **config)
+    try:
+        full = generate(engine, prompts, params)
+    finally:
+        engine.stop()
+    engine = start_engine(loaded, **config)
+    try:
+        kv = engine.kv_cache
+        assert isinstance(kv, PagedKVCache) and kv.sliding is not None
+        assert kv.sliding.blocks.num_blocks == 2 * 3 + 256 // 4  # two windows of 3 blocks, a whole context
+        assert generate(engine, prompts, params, timeout=60) == full
+        assert_no_live_blocks(engine)
+    finally:
+        engine.stop()
+
+
 def test_gemma3_batches_and_aborts(folder: Path) -> None:
     """Greedy alone equals greedy in a batch (prompts shorter and longer than the window); an aborted stream
     gives its blocks back."""

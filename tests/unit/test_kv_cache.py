@@ -62,7 +62,7 @@ def test_kv_memory_gives_the_sliding_pool_max_num_seqs_windows_and_the_rest_to_t
     spec = KVSpec(18, 1, 256, torch.float16, tuple(i % 6 != 5 for i in range(18)), window=512)
     config = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="64MiB",
                           sliding_window_kv=sliding_window_kv)
-    cache = build_kv_cache(config, spec, CPU, max_tokens_needed=1 << 20)
+    cache = build_kv_cache(config, spec, CPU, max_model_len=1 << 18)
     assert isinstance(cache, PagedKVCache)
     if not sliding_window_kv:  # every layer in one pool
         assert sizes(cache) == ((64 << 20) // (16 * 18 * 1024), 0)
@@ -75,8 +75,15 @@ def test_kv_memory_gives_the_sliding_pool_max_num_seqs_windows_and_the_rest_to_t
     block = 16 * 18 * 1024  # a block of every layer
     assert (64 << 20) - 4 * block < held <= (64 << 20) + 4 * block  # the budget, give or take each pool's 2 extra
     # Capped by what max_num_seqs contexts need; too small a budget for the windows: the same blocks in each pool.
-    assert sizes(build_kv_cache(config, spec, CPU, max_tokens_needed=160 * 16)) == (160, 136)
-    assert sizes(build_kv_cache(config, spec, CPU, max_tokens_needed=100 * 16)) == (100, 100)
+    assert sizes(build_kv_cache(config, spec, CPU, max_model_len=640)) == (160, 136)
+    assert sizes(build_kv_cache(config, spec, CPU, max_model_len=400)) == (100, 100)
     for memory, blocks in (("1MiB", 3), ("36MiB", 128)):  # 36 MiB: the windows' 136 blocks (32 MiB) fit, alone
         small = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=memory)
-        assert sizes(build_kv_cache(small, spec, CPU, max_tokens_needed=1 << 20)) == (blocks, blocks)
+        assert sizes(build_kv_cache(small, spec, CPU, max_model_len=1 << 18)) == (blocks, blocks)
+    # Without chunked prefill a whole prompt runs in one step, one longer than the step's budget alone: the
+    # sliding pool holds the others' windows and a whole context (before, a prompt past its room never ran).
+    whole = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="128MiB",
+                         chunked_prefill=False)
+    assert sizes(build_kv_cache(whole, spec, CPU, max_model_len=2048))[1] == 4 * 33 + 2048 // 16
+    chunked = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="128MiB")
+    assert sizes(build_kv_cache(chunked, spec, CPU, max_model_len=2048))[1] == 4 * 33 + 4  # the step's 64 tokens

@@ -29,12 +29,14 @@ def _available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 10
 
 
-def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max_tokens_needed: int) -> KVCache:
-    """Size KV memory from config.kv_cache_memory or the free memory, never beyond max_tokens_needed tokens."""
+def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max_model_len: int) -> KVCache:
+    """Size KV memory from config.kv_cache_memory or the free memory, never beyond what --max-num-seqs contexts of
+    max_model_len tokens need."""
     budget = parse_size(config.kv_cache_memory) if config.kv_cache_memory else _available_memory(device)
+    max_tokens_needed = config.max_num_seqs * max_model_len
     cache: KVCache
     if config.kv == "paged":
-        num_blocks, sliding_blocks = _paged_blocks(config, spec, budget, max_tokens_needed)
+        num_blocks, sliding_blocks = _paged_blocks(config, spec, budget, max_model_len)
         if num_blocks < 1:
             raise ConfigError(f"KV memory of {budget} bytes holds no block of {config.block_size} tokens")
         cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, config.deterministic,
@@ -55,20 +57,23 @@ def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max
     return cache
 
 
-def _paged_blocks(config: EngineConfig, spec: KVSpec, budget: int, max_tokens_needed: int) -> tuple[int, int]:
+def _paged_blocks(config: EngineConfig, spec: KVSpec, budget: int, max_model_len: int) -> tuple[int, int]:
     """Blocks of the pool of every layer (or of the global layers, with sliding-window layers), and of the sliding
-    layers' own pool (0: none). That one holds the windows of --max-num-seqs sequences and one step's prompt tokens,
-    and never more blocks than the other: a sequence holds at most as many sliding blocks as global ones. The rest
-    of the budget goes to the global layers, up to max_tokens_needed tokens."""
+    layers' own pool (0: none). That one holds the windows of --max-num-seqs sequences and one step's prompt tokens
+    (without chunked prefill, a whole prompt's: one longer than the step's budget runs alone), and never more blocks
+    than the other: a sequence holds at most as many sliding blocks as global ones. The rest of the budget goes to
+    the global layers, up to what --max-num-seqs contexts of max_model_len tokens need."""
     bs = config.block_size
-    cap = -(-max_tokens_needed // bs)
+    cap = -(-config.max_num_seqs * max_model_len // bs)
     if not (config.sliding_window_kv and spec.num_sliding):
         return min(budget // (bs * spec.bytes_per_token), cap), 0
     sliding_block = bs * spec.num_sliding * spec.layer_bytes_per_token
     full_block = bs * (spec.num_layers - spec.num_sliding) * spec.layer_bytes_per_token
     # The keys a token sees through the window straddle at most this many blocks, its own included.
     per_sequence = (spec.window - 1) // bs + 2
-    sliding = min(config.max_num_seqs * per_sequence + -(-config.max_num_batched_tokens // bs), cap)
+    step_tokens = config.max_num_batched_tokens if config.chunked_prefill else max(config.max_num_batched_tokens,
+                                                                                   max_model_len)
+    sliding = min(config.max_num_seqs * per_sequence + -(-step_tokens // bs), cap)
     if budget < sliding * (sliding_block + full_block):  # no room to spare: as many blocks in each pool
         return (blocks := budget // (sliding_block + full_block)), blocks
     full = cap if not full_block else min(cap, (budget - sliding * sliding_block) // full_block)

@@ -85,7 +85,7 @@ class Engine:
         self.hidden_size = loaded.config.hidden_size  # an embedding's length
         mc = loaded.config
         spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, mc.sliding_layers, mc.sliding_window)
-        self.kv_cache = build_kv_cache(c, spec, loaded.device, c.max_num_seqs * loaded.max_model_len)
+        self.kv_cache = build_kv_cache(c, spec, loaded.device, loaded.max_model_len)
         self.max_model_len = self._context_that_fits(loaded.max_model_len, self.kv_cache.capacity_tokens)
         self.scheduler = Scheduler(c, self.kv_cache, self.max_model_len, self.tokenizer.eos_token_ids,
                                    attention_crossover(mc))
