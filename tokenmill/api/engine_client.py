@@ -98,6 +98,8 @@ class EngineClient:
         engine = self.engine
         if not engine.alive:
             raise EngineUnavailableError("the engine is not running")
+        if engine.closed:
+            raise EngineUnavailableError("the server is shutting down")
         limit, slots = engine.config.max_queued_requests, engine.config.max_num_seqs
         if count > slots + limit:
             raise RequestError(f"the request asks for {count} sequences (prompts x n); this server runs {slots} "

@@ -33,6 +33,9 @@ _BRACKET_STEP[[ord("["), ord("{")]], _BRACKET_STEP[[ord("]"), ord("}")]] = 1, -1
 class ServingState:
     """Shared by the app and the server: set `draining` and new requests get 503 while in-flight ones finish."""
     draining: bool = False
+    # Requests let through whose handler has not returned, a body still arriving or a prompt still being rendered
+    # included: a drain waits for them too, not only for the engine's sequences.
+    in_flight: int = 0
 
 
 def json_depth(body: bytes) -> int:
@@ -61,15 +64,18 @@ class RequestGuard:
         if scope["type"] != "http" or scope["path"] in self.open_routes:
             return await self.app(scope, receive, send)
         refusal = self._refuse(scope)
-        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            body = await self._read_body(scope, receive)
-            if isinstance(body, JSONResponse):
-                refusal = body
-            else:
-                receive = _replay(body, receive)
         if refusal is not None:
             return await refusal(scope, receive, send)
-        await self.app(scope, receive, send)
+        self.state.in_flight += 1
+        try:
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                body = await self._read_body(scope, receive)
+                if isinstance(body, JSONResponse):
+                    return await body(scope, receive, send)
+                receive = _replay(body, receive)
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
 
     def _refuse(self, scope: Scope) -> JSONResponse | None:
         if self.state.draining:

@@ -88,24 +88,27 @@ class TokenmillServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.shutdown_timeout
-        log.info("shutting down: %d sequences in flight get %.0fs to finish", self.engine.num_unfinished,
-                 self.shutdown_timeout)
-        while self.engine.num_unfinished and time.monotonic() < deadline and not self._aborting:
+        log.info("shutting down: %d requests and %d sequences in flight get %.0fs to finish", self.state.in_flight,
+                 self.engine.num_unfinished, self.shutdown_timeout)
+        while (self.state.in_flight or self.engine.num_unfinished) and time.monotonic() < deadline \
+                and not self._aborting:
             await asyncio.sleep(0.05)
         await self._abort()
 
     async def _abort(self) -> None:
-        """Abort what is still in flight, let the last chunks go out, then stop."""
+        """Abort what is still in flight (a request still arriving or rendering then gets 503 from the closed
+        engine), let the last chunks go out, then stop."""
         if self._aborting:
             return
         self._aborting = True
+        self.engine.close()
         if self.engine.num_unfinished:
             log.warning("aborting %d unfinished sequences", self.engine.num_unfinished)
             self.engine.abort_all()
-            for _ in range(100):  # their last chunks go out before the connections close
-                if not self.engine.num_unfinished:
-                    break
-                await asyncio.sleep(0.05)
+        for _ in range(100):  # their last chunks (and the late requests' 503s) go out before the connections close
+            if not (self.engine.num_unfinished or self.state.in_flight):
+                break
+            await asyncio.sleep(0.05)
         self.should_exit = True
 
     async def _watch_engine(self) -> None:

@@ -58,6 +58,7 @@ class Engine:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._stopping = False
+        self._closed = False  # close(): no more sequences
         self.metrics = EngineMetrics()
         # Sequences added and not finished, and how many of them run: the waiting ones are the difference.
         self._unfinished = 0
@@ -228,6 +229,14 @@ class Engine:
 
     def abort(self, seq_id: int) -> None:
         self._inbox.put(("abort", seq_id))
+
+    def close(self) -> None:
+        """Take no more sequences (the end of a graceful shutdown): submitting one is an EngineUnavailableError."""
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def abort_all(self) -> None:
         """Finish every unfinished sequence with finish_reason 'abort' (the end of a graceful shutdown)."""
