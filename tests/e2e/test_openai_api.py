@@ -112,6 +112,8 @@ def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:
 
     assert sample(1234) == sample(1234)
     assert len({sample(1234), sample(1), sample(2), sample(3)}) > 1
+    # torch's CPU generator reads a seed's low 32 bits: the high ones count too
+    assert len({sample(5), sample(5 + 2**32), sample(5 + 2**40)}) == 3
 
 
 def test_a_seed_near_two_to_the_64_wraps_for_the_later_choices(client: openai.OpenAI) -> None:

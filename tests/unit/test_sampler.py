@@ -7,7 +7,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tokenmill.engine.request import Sequence
-from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sampler import Sampler, seeded_generator
 from tokenmill.sampling import SamplingParams
 
 VOCAB = 50
@@ -293,3 +293,18 @@ def test_verify_samples_every_position_from_the_plain_distribution() -> None:
     seconds = [t[1] for t in tokens if t[0] == 0]
     assert chi_square(Counter(seconds), p1, len(seconds)) < CHI2_3DF_P001
     assert all(len(t) == 1 + (t[0] == 0) + (t[0] == 0 and t[1] == 1) for t in tokens)
+
+
+def test_a_seeds_64_bits_all_count_and_small_seeds_keep_their_streams() -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: seeds that differ above them drew the same numbers. Folded
+    in, they differ; a seed below 2**32 draws what torch's own seeding of it draws (seeded answers stay as they
+    were), and a negative seed what its two's complement does."""
+    cpu = torch.device("cpu")
+
+    def draws(seed: int) -> list[float]:
+        return torch.rand(4, generator=seeded_generator(seed, cpu)).tolist()
+
+    assert len({tuple(draws(s)) for s in (0, -1, 5, 5 + 2**32, 5 + 2**40, 5 + 2**63)}) == 6
+    for seed in (0, 7, 2**32 - 1):
+        assert draws(seed) == torch.rand(4, generator=torch.Generator().manual_seed(seed)).tolist()
+    assert draws(-3) == draws(2**64 - 3)

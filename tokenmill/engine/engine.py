@@ -26,7 +26,7 @@ from tokenmill.engine.graphs import DecodeGraphs
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogprob
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sampler import Sampler, seeded_generator
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.spec import AcceptanceGate, NgramProposer, Proposer, SuffixCacheProposer
 from tokenmill.errors import ConfigError
@@ -297,7 +297,7 @@ class Engine:
                                                    params.min_tokens),
                 sink=sink, arrival_time=arrival,
                 # A seeded request samples from its own stream, so its tokens do not depend on its neighbours.
-                generator=None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed),
+                generator=None if params.seed is None else seeded_generator(params.seed, device),
                 grammar=grammar, pooling=self.config.pooling if embed else None,
             )
         except Exception:

@@ -29,13 +29,28 @@ def _occurrences(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A random stream from a 64-bit seed (negative ones as their two's complement). torch's CPU generator keeps a
+    seed's low 32 bits alone, so seeds that differed only above them drew the same numbers: a seed of 2**32 or more
+    is hashed (splitmix64's finalizer) to the 32 bits it seeds, which leaves no pattern to its collisions; a seed
+    below 2**32 is unchanged."""
+    seed %= 2**64
+    if device.type == "cpu" and seed >= 2**32:
+        mask = 2**64 - 1
+        z = (seed + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        seed = (z ^ (z >> 31)) & 0xFFFFFFFF
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int], device: torch.device, seed: int,
                  grammars: GrammarCompiler | None = None) -> None:
         """seed: the stream of the requests that bring no seed of their own; grammars: the masks of sequences
         with structured output."""
         self.eos_token_ids = sorted(eos_token_ids)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = seeded_generator(seed, device)
         self.grammars = grammars
 
     @torch.inference_mode()
