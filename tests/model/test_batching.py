@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from helpers import assert_no_live_blocks, counted, generate, our_logits, start_engine, submit
 
+from tokenmill.engine import engine as engine_module
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
@@ -180,14 +182,22 @@ def test_an_output_that_cannot_be_built_or_delivered_ends_its_sequence_alone(smo
         engine.stop()
 
 
-def test_a_sequence_that_cannot_be_added_fails_alone(smollm, prompt_ids) -> None:
-    """A sequence the engine cannot set up (here a seed past the 64 bits torch's generator takes, which the API
-    refuses or wraps) ends with an error output and is counted out; the ones added beside it run, and the engine
-    keeps serving. Before, the engine loop died on it and the server stopped."""
+def test_a_sequence_that_cannot_be_added_fails_alone(smollm, prompt_ids, monkeypatch) -> None:
+    """A sequence the engine cannot set up (here its random stream fails; a seed past 64 bits once did) ends with
+    an error output and is counted out; the ones added beside it run, and the engine keeps serving. Before, the
+    engine loop died on it and the server stopped."""
+    seeded = engine_module.seeded_generator
+
+    def failing(seed: int, device: torch.device) -> torch.Generator:
+        if seed == 666:
+            raise ValueError("Overflow when unpacking long long")
+        return seeded(seed, device)
+
+    monkeypatch.setattr(engine_module, "seeded_generator", failing)
     engine = start_engine(smollm)
     try:
         params = [greedy() for _ in prompt_ids]
-        params[1] = greedy(seed=2**64)
+        params[1] = greedy(seed=666)
         outs = asyncio.run(_collect(engine, prompt_ids, params))
         assert len(outs[1]) == 1 and outs[1][0].finish_reason == "error" and outs[1][0].error
         assert outs[1][0].prompt_tokens == len(prompt_ids[1])
