@@ -55,6 +55,9 @@ class EngineConfig:
                         ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"))
     device: str = option("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     max_model_len: int | None = option(None, "context length served (default: the model's, at most 8192)")
+    allow_long_max_model_len: bool = option(
+        False, "let --max-model-len exceed the context the model was trained for (past it the output degrades; "
+               "refused otherwise, as vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set)")
     max_num_seqs: int = option(64, "sequences running at once")
     max_num_batched_tokens: int = option(2048, "tokens one engine step may process (prefill chunks + decodes)")
     chunked_prefill: bool = option(True, "prefill long prompts in chunks that interleave with other users' decodes")

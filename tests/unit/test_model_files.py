@@ -14,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader
 from helpers import (
+    generate,
     hf_configs,
     our_logits,
     save_random_hf_model,
@@ -27,6 +28,8 @@ from safetensors.torch import load_file as load_torch_file
 from safetensors.torch import save_file
 
 from tokenmill import kernels
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.layers.quantized import QuantizedWeight
 from tokenmill.loader import load_model, resolve_device
@@ -34,6 +37,7 @@ from tokenmill.loader import safetensors as st_loader
 from tokenmill.loader.gguf import GGUFFile
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES
 from tokenmill.models.registry import build_model
+from tokenmill.sampling import SamplingParams
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
@@ -387,11 +391,28 @@ def test_a_context_past_the_models_is_refused(hf_folders: dict[str, Path], tmp_p
     assert load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu", max_model_len=trained).max_model_len \
         == trained
     with pytest.raises(ConfigError, match=f"^--max-model-len {trained + 1}: the model was trained for a context of "
-                                          f"{trained} tokens$"):
+                                          rf"{trained} tokens \(--allow-long-max-model-len serves it anyway\)$"):
         load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu", max_model_len=trained + 1)
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     with pytest.raises(ConfigError, match="trained for a context of 512 tokens"):
         load_model(str(gguf), dtype="float32", device="cpu", max_model_len=513)
+
+
+def test_allow_long_max_model_len_serves_past_the_trained_context(tiny_gguf: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """--allow-long-max-model-len: the context asked for is served, past the model's 512 tokens, with a warning (as
+    vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, or llama.cpp's -c past training); a prompt longer than 512 runs."""
+    with caplog.at_level(logging.WARNING, logger="tokenmill.loader"):
+        engine = Engine(EngineConfig(model=str(tiny_gguf), max_model_len=1024, allow_long_max_model_len=True,
+                                     dtype="float32", device="cpu"))
+        engine.start()
+    try:
+        assert engine.max_model_len == 1024
+        assert "past the 512 it was trained for" in caplog.text
+        assert len(generate(engine, [[3 + i % 200 for i in range(700)]], [SamplingParams(max_tokens=4, temperature=0,
+                                                                            ignore_eos=True)])[0]) == 4
+    finally:
+        engine.stop()
 
 
 def test_a_device_that_is_not_here_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

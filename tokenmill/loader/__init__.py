@@ -123,11 +123,16 @@ def _keeps_quantized(device: torch.device, config: ModelConfig) -> bool:
     return True
 
 
-def _check_context(config: ModelConfig, max_model_len: int | None) -> None:
-    """Past the positions a model was trained on, its output degrades into noise: refused, as vLLM does."""
-    if max_model_len is not None and max_model_len > config.max_position_embeddings:
+def _check_context(path: Path, config: ModelConfig, max_model_len: int | None, allowed: bool) -> None:
+    """Past the positions a model was trained on, its output degrades into noise: refused, as vLLM does, unless
+    allowed (then said in the log)."""
+    if max_model_len is None or max_model_len <= config.max_position_embeddings:
+        return
+    if not allowed:
         raise ConfigError(f"--max-model-len {max_model_len}: the model was trained for a context of "
-                          f"{config.max_position_embeddings} tokens")
+                          f"{config.max_position_embeddings} tokens (--allow-long-max-model-len serves it anyway)")
+    log.warning("%s served a context of %d tokens, past the %d it was trained for: its output degrades there",
+                path.name, max_model_len, config.max_position_embeddings)
 
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
@@ -149,8 +154,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
     if path.is_file():
         gguf = gguf_loader.GGUFFile(path)
         config = gguf_loader.model_config(gguf)
-        if not past_trained_context:
-            _check_context(config, max_model_len)
+        _check_context(path, config, max_model_len, past_trained_context)
         gguf_loader.check_tensor_types(gguf)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         template_source = gguf.metadata.get("tokenizer.chat_template")
@@ -159,8 +163,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         del gguf  # the reader's parsed fields: ~150 MiB of small objects (the tensors map the file by themselves)
     elif (path / "config.json").exists():
         config = st_loader.model_config(path)
-        if not past_trained_context:
-            _check_context(config, max_model_len)
+        _check_context(path, config, max_model_len, past_trained_context)
         tokenizer = Tokenizer.from_folder(path)
         template_source = None
         if (path / "chat_template.jinja").exists():
