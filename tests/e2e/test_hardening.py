@@ -103,6 +103,12 @@ CASES = [
     ("max_completion_tokens over the context", "POST", CHAT, chat(max_completion_tokens=10**30), {}, 400,
      "max_completion_tokens"),
     ("messages null", "POST", CHAT, chat(messages=None), {}, 400, "messages"),
+    # pydantic's union branches ('str', 'list[...]', a class name) are no field: the param names the request's
+    ("responses input a number", "POST", RESPONSES, {"model": MODEL, "input": 5}, {}, 400, "input"),
+    ("responses input items not objects", "POST", RESPONSES, {"model": MODEL, "input": ["hi"]}, {}, 400, "input.0"),
+    ("embedding input nested strings", "POST", EMBEDDINGS, {"model": MODEL, "input": [["a"]]}, {}, 400, "input.0.0"),
+    ("tool_choice of an unknown kind", "POST", CHAT, chat(tool_choice={"type": "allowed_tools"}), {}, 400,
+     "tool_choice.type"),
     ("min_tokens over max_tokens", "POST", CHAT, chat(min_tokens=5), {}, 400, "min_tokens"),
     ("top_logprobs over 20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
     ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=2), {}, 400, "top_logprobs"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -65,6 +67,32 @@ def _not_json(error: dict[str, Any], body: str) -> str:
     return f"the body is not valid JSON: {fault.msg} at line {fault.lineno} column {fault.colno}"
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "bytes"}
+
+
+def _union_tag(part: Any) -> bool:
+    """Whether a part of a pydantic error's loc names the branch of a union that failed ('str', 'list[...]',
+    "literal['none','auto']", a model's class name) rather than a field or an index of the request."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or re.fullmatch(r"[A-Z][A-Za-z0-9]*", part)
+                                      is not None)
+
+
+def validation_fault(errors: Sequence[Any]) -> tuple[str | None, str]:
+    """The field a pydantic validation's errors fault (dotted, without "body" and union tags) and the message, of
+    the first field at fault; where every branch of a union failed on it, the branch that got furthest into the
+    value says why (["hi"] for a list of objects: its item 0, not "a valid string")."""
+    def path(error: Any) -> list[str]:
+        return [str(p) for p in error.get("loc", ()) if p != "body" and not _union_tag(p)]
+
+    if not errors:
+        return None, "invalid request"
+    field = path(errors[0])[:1]
+    deepest = max((e for e in errors if path(e)[:1] == field), key=lambda e: len(path(e)))
+    param = ".".join(path(deepest)) or None
+    message = deepest.get("msg", "invalid request")
+    return param, f"{param}: {message}" if param else message
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     @app.exception_handler(ServerBusyError)
@@ -78,9 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":  # its loc holds the offset of the fault, not a field
             return error_response(400, _not_json(first, exc.body), "invalid_request_error")
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
+        param, message = validation_fault(exc.errors())
         return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)

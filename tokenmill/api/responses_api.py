@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
+from tokenmill.api.errors import validation_fault
 from tokenmill.api.protocol import ChatCompletionRequest, RequestModel, no_effect, refused
 from tokenmill.api.tool_parsers import ToolCall, ToolCallDelta, ToolParser, parse_tool_calls
 from tokenmill.engine.request import SequenceOutput
@@ -126,10 +127,9 @@ class ResponsesRequest(RequestModel):
         try:
             return ChatCompletionRequest.model_validate(fields)
         except ValidationError as exc:  # the chat field at fault (the caller names it as this API does), or input
-            error = exc.errors()[0]
-            at = ".".join(str(part) for part in error["loc"])
+            at, message = validation_fault(exc.errors())
             param = "input" if not at or at.startswith("messages") else at
-            raise RequestError(f"{param}: {error['msg']}", param=param) from exc
+            raise RequestError(f"{param}: {message.removeprefix(f'{at}: ')}", param=param) from exc
 
 
 # --- input items -> chat messages --------------------------------------------------------------------------------
