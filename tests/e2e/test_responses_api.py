@@ -141,6 +141,9 @@ def test_a_json_schema_text_format_is_followed(client: openai.OpenAI) -> None:
     ({"truncation": "auto"}, "truncation"),
     ({"max_output_tokens": 10**9}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": [{"role": "user", "content": "weather?"}, {"type": "function_call_output", "call_id": "zzz",
+                                                          "output": "sunny"}]}, "input[1].call_id"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{**WEATHER, "parameters": {"type": "string"}}]}, "tools.0.parameters"),
     ({"tools": [WEATHER, {**WEATHER, "name": "f", "parameters": {"type": "object", "properties": {"a": {

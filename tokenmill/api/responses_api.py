@@ -120,6 +120,8 @@ class ResponsesRequest(RequestModel):
         if fmt is not None and fmt.type == "json_schema":
             if fmt.name is None:
                 raise RequestError("text.format: a json_schema format needs a name", param="text.format.name")
+            if fmt.schema_ is None:  # OpenAI's Responses API requires it (chat's response_format does not)
+                raise RequestError("text.format: a json_schema format needs a schema", param="text.format.schema")
             fields["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}}
         elif fmt is not None:
@@ -156,6 +158,7 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items as chat messages: a function_call joins the assistant turn before it (or starts one),
     a function_call_output is a tool message."""
     messages: list[dict[str, Any]] = []
+    calls: set[str] = set()  # the call_ids of the function_calls so far, which an output answers
     for i, item in enumerate(items):
         at = f"input[{i}]"
         if not isinstance(item, dict):
@@ -167,7 +170,9 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise RequestError(f"{at}.role: must be user, assistant, system or developer", param=f"{at}.role")
             messages.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
         elif kind == "function_call":
-            call = {"id": _required(item, "call_id", at), "type": "function",
+            call_id = _required(item, "call_id", at)
+            calls.add(call_id)
+            call = {"id": call_id, "type": "function",
                     "function": {"name": _required(item, "name", at), "arguments": _required(item, "arguments", at)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -175,7 +180,11 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _required(item, "call_id", at),
+            call_id = _required(item, "call_id", at)
+            if call_id not in calls:  # as OpenAI: an output must answer a call of the conversation
+                raise RequestError(f"{at}.call_id: no function call found for function call output with call_id "
+                                   f"{call_id!r}", param=f"{at}.call_id")
+            messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text(item.get("output"), f"{at}.output")})
         else:
             raise RequestError(f"{at}: input items of type {kind!r} are not supported (message, function_call and "
