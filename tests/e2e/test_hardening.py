@@ -107,6 +107,8 @@ CASES = [
     ("responses input a number", "POST", RESPONSES, {"model": MODEL, "input": 5}, {}, 400, "input"),
     ("responses input items not objects", "POST", RESPONSES, {"model": MODEL, "input": ["hi"]}, {}, 400, "input.0"),
     ("embedding input nested strings", "POST", EMBEDDINGS, {"model": MODEL, "input": [["a"]]}, {}, 400, "input.0.0"),
+    ("embedding input a boolean id", "POST", EMBEDDINGS, {"model": MODEL, "input": [True]}, {}, 400, "input.0"),
+    ("prompt ids of floats", "POST", COMPLETIONS, completion(prompt=[[1.0, 2]]), {}, 400, "prompt.0.0"),
     ("tool_choice of an unknown kind", "POST", CHAT, chat(tool_choice={"type": "allowed_tools"}), {}, 400,
      "tool_choice.type"),
     ("min_tokens over max_tokens", "POST", CHAT, chat(min_tokens=5), {}, 400, "min_tokens"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from tokenmill.config import ServerConfig
 from tokenmill.errors import RequestError
@@ -22,6 +22,8 @@ from tokenmill.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from tokenmill.structured import StructuredSpec
 
 INT32_MAX = 2**31 - 1
+# A prompt or input given as token ids: JSON integers only (lax ints took true as id 1 and 1.0 as 1)
+TokenIds = list[StrictInt]
 
 _EFFECT = "x-tokenmill-effect"  # in a field's JSON schema (so /docs shows it): "none" or "refused"
 
@@ -416,7 +418,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class EmbeddingRequest(RequestModel):
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)  # only the model's own: no truncation of its vectors
     user: str | None = no_effect(why="an end-user id for OpenAI's abuse monitoring; nothing is logged per user")
@@ -438,7 +440,7 @@ class EmbeddingRequest(RequestModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
