@@ -86,8 +86,8 @@ class EngineClient:
         streams = []
         for prompt_ids, resolved in admitted:
             for i in range(n):
-                # torch's generators take a seed's 64 bits: seed + i past 2**64 - 1 wraps, as it would in them
-                p = resolved if resolved.seed is None or i == 0 else replace(resolved, seed=(resolved.seed + i) % 2**64)
+                # past 2**64 - 1, seed + i wraps (sampler.seeded_generator)
+                p = resolved if resolved.seed is None or i == 0 else replace(resolved, seed=resolved.seed + i)
                 stream = RequestStream(self.engine)
                 stream.seq_id = self.engine.add(prompt_ids, p, stream.put, grammar.new() if grammar else None, embed)
                 streams.append(stream)
