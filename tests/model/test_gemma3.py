@@ -162,6 +162,17 @@ def test_the_window_holds_across_chunks_and_prefix_hits(folder: Path) -> None:
         engine.stop()
 
 
+def one_pool_tokens(loaded: LoadedModel, prompts: list[list[int]], params: list[SamplingParams],
+                    config: dict) -> list[list[int]]:
+    """The tokens of the layout where every layer keeps every token (--no-sliding-window-kv): the reference of the
+    sliding layers' own pool."""
+    engine = start_engine(loaded, sliding_window_kv=False, **config)
+    try:
+        return generate(engine, prompts, params)
+    finally:
+        engine.stop()
+
+
 def test_the_sliding_layers_keep_their_windows_alone(folder: Path) -> None:
     """The five sliding layers' KV in a pool of their own, three blocks of 4 a sequence (a window of 8 keys): the
     tokens of the layout where every layer keeps every token, through chunks, prefix hits, and preemptions when
@@ -174,11 +185,7 @@ def test_the_sliding_layers_keep_their_windows_alone(folder: Path) -> None:
     # tokens), then 40 of the global layer.
     config = {"block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, "long_prefill_token_threshold": 0,
               "kv_cache_memory": "240KiB"}
-    engine = start_engine(loaded, sliding_window_kv=False, **config)
-    try:
-        full = generate(engine, prompts, params)
-    finally:
-        engine.stop()
+    full = one_pool_tokens(loaded, prompts, params, config)
     engine = start_engine(loaded, **config)
     try:
         kv = engine.kv_cache
@@ -200,11 +207,7 @@ def test_without_chunked_prefill_a_prompt_longer_than_a_step_runs_whole(folder: 
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True) for i in range(2)]
     config = {"block_size": 4, "max_num_seqs": 2, "max_num_batched_tokens": 8, "chunked_prefill": False,
               "kv_cache_memory": "1MiB"}
-    engine = start_engine(loaded, sliding_window_kv=False, **config)
-    try:
-        full = generate(engine, prompts, params)
-    finally:
-        engine.stop()
+    full = one_pool_tokens(loaded, prompts, params, config)
     engine = start_engine(loaded, **config)
     try:
         kv = engine.kv_cache

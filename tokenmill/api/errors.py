@@ -78,9 +78,9 @@ def _union_tag(part: Any) -> bool:
 
 
 def validation_fault(errors: Sequence[Any]) -> tuple[str | None, str]:
-    """The field a pydantic validation's errors fault (dotted, without "body" and union tags) and the message, of
-    the first field at fault; where every branch of a union failed on it, the branch that got furthest into the
-    value says why (["hi"] for a list of objects: its item 0, not "a valid string")."""
+    """The field a pydantic validation's errors fault (dotted, without "body" and union tags) and pydantic's message
+    for it, of the first field at fault; where every branch of a union failed on it, the branch that got furthest
+    into the value says why (["hi"] for a list of objects: its item 0, not "a valid string")."""
     def path(error: Any) -> list[str]:
         return [str(p) for p in error.get("loc", ()) if p != "body" and not _union_tag(p)]
 
@@ -88,9 +88,7 @@ def validation_fault(errors: Sequence[Any]) -> tuple[str | None, str]:
         return None, "invalid request"
     field = path(errors[0])[:1]
     deepest = max((e for e in errors if path(e)[:1] == field), key=lambda e: len(path(e)))
-    param = ".".join(path(deepest)) or None
-    message = deepest.get("msg", "invalid request")
-    return param, f"{param}: {message}" if param else message
+    return ".".join(path(deepest)) or None, deepest.get("msg", "invalid request")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -107,7 +105,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":  # its loc holds the offset of the fault, not a field
             return error_response(400, _not_json(first, exc.body), "invalid_request_error")
         param, message = validation_fault(exc.errors())
-        return error_response(400, message, "invalid_request_error", param)
+        return error_response(400, f"{param}: {message}" if param else message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -131,7 +131,7 @@ class ResponsesRequest(RequestModel):
         except ValidationError as exc:  # the chat field at fault (the caller names it as this API does), or input
             at, message = validation_fault(exc.errors())
             param = "input" if not at or at.startswith("messages") else at
-            raise RequestError(f"{param}: {message.removeprefix(f'{at}: ')}", param=param) from exc
+            raise RequestError(f"{param}: {message}", param=param) from exc
 
 
 # --- input items -> chat messages --------------------------------------------------------------------------------

@@ -90,10 +90,13 @@ class TokenmillServer(uvicorn.Server):
         deadline = time.monotonic() + self.shutdown_timeout
         log.info("shutting down: %d requests and %d sequences in flight get %.0fs to finish", self.state.in_flight,
                  self.engine.num_unfinished, self.shutdown_timeout)
-        while (self.state.in_flight or self.engine.num_unfinished) and time.monotonic() < deadline \
-                and not self._aborting:
+        while self._in_flight() and time.monotonic() < deadline and not self._aborting:
             await asyncio.sleep(0.05)
         await self._abort()
+
+    def _in_flight(self) -> bool:
+        """Whether a request let in or a sequence of the engine's has not finished yet."""
+        return bool(self.state.in_flight or self.engine.num_unfinished)
 
     async def _abort(self) -> None:
         """Abort what is still in flight (a request still arriving or rendering then gets 503 from the closed
@@ -106,7 +109,7 @@ class TokenmillServer(uvicorn.Server):
             log.warning("aborting %d unfinished sequences", self.engine.num_unfinished)
             self.engine.abort_all()
         for _ in range(100):  # their last chunks (and the late requests' 503s) go out before the connections close
-            if not (self.engine.num_unfinished or self.state.in_flight):
+            if not self._in_flight():
                 break
             await asyncio.sleep(0.05)
         self.should_exit = True
