@@ -100,6 +100,11 @@ class EngineConfig:
                                              "(prefill, large batches) run the quantized matrices on AMX tiles, "
                                              "each panel of weights dequantized to bf16 in cache (0: never; default "
                                              "24, and then no dense copies by default)")
+    bf16_kernels: bool = option(True, "on CPU, a dense model's matrices of bf16 values (a bf16 model; an fp32 one of "
+                                      "a bf16 checkpoint) are kept in bf16 in the layout of tokenmill's quantized "
+                                      "kernels and run by them: decode steps run each layer fused, and on a CPU "
+                                      "with AMX every step's matmuls run on tiles read from the weights as they lie "
+                                      "(off: oneDNN's prepacked matmuls, op by op)")
     fused_decode_layers: bool = option(True, "on CPU, decode steps with the weights kept quantized (of fewer than "
                                              "32 rows where dense copies exist) run each decoder layer as one C++ op "
                                              "on fp32 rows, whatever the dtype (off: one op per norm, projection, "

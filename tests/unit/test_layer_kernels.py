@@ -17,7 +17,7 @@ from tokenmill import kernels
 from tokenmill.cache.kv_cache import PagedKVCache
 from tokenmill.cache.sizing import KVSpec
 from tokenmill.layers.attention import SequenceSlice
-from tokenmill.layers.quantized import DENSE_FROM_ROWS
+from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.loader import LoadedModel, load_model
 
@@ -75,15 +75,19 @@ def test_gelu_tanh_mul_is_the_tanh_gelu_of_the_gate_times_up(dtype: torch.dtype)
                                rtol=TOLERANCE[dtype])
 
 
-def write_model(path: Path, qtype: QType, bias: bool) -> Path:
+def write_model(path: Path, qtype: QType, bias: bool, bf16_values_but: str | None = None) -> Path:
     """The tiny Llama of the tests (hidden 256, 4 heads of 64, 2 KV heads), quantized; with q/k/v biases (Qwen2's
-    projections) when asked."""
+    projections) when asked; bf16_values_but: dense, every tensor rounded to bf16 values (as a bf16 checkpoint's)
+    but the one of that name."""
     tensors = tiny_tensors(256)
     if bias:
         rng = np.random.default_rng(1)
         for i in range(2):
             for name, rows in (("q", 256), ("k", 128), ("v", 128)):
                 tensors[f"blk.{i}.attn_{name}.bias"] = (0.5 * rng.standard_normal(rows)).astype(np.float32)
+    if bf16_values_but is not None:
+        tensors = {name: value if name == bf16_values_but else torch.from_numpy(value).bfloat16().float().numpy()
+                   for name, value in tensors.items()}
     return write_gguf(path, "qwen2" if bias else "llama", tiny_metadata(256), tensors, qtype=qtype)
 
 
@@ -228,6 +232,52 @@ def test_a_bf16_model_decodes_through_the_fused_layer_on_fp32_rows_and_its_bf16_
         assert error <= 1.25 * per_op_error, pool
 
 
+def kept_bits(loaded: LoadedModel) -> dict[str, int]:
+    """The bits a weight of each matrix the kernels run (16: bf16 values)."""
+    return {name: m.weight.bits for name, m in loaded.model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+@pytest.mark.parametrize("tiles", [0, None], ids=["kernel", "tiles"])
+def test_a_dense_bf16_model_runs_the_kernels_on_its_bf16_weights(tmp_path: Path, tiles: int | None) -> None:
+    """A dense model of bf16 weights (a Hugging Face folder's) in bf16: every matrix, the tied output head's too,
+    kept in the kernels' 16-bit layout; decode steps through the fused layer. Its hidden states and logits are
+    within bf16's rounding of the fp32 model of the same weights, as close as oneDNN's bf16 matmuls op by op
+    (--no-bf16-kernels) come (errors of a few percent: the tiny random model amplifies the activations'
+    rounding). tiles: on AMX, every step's matmuls on tiles read from the weights (the default there)."""
+    if tiles is None and not kernels.has_tiles():
+        pytest.skip("no AMX tiles here")
+    path = write_model(tmp_path / "m.gguf", QType.F32, bias=True, bf16_values_but="")
+    exact = load_model(str(path), dtype="float32", device="cpu", fused_decode=False, bf16_kernels=False)
+    ours = load_model(str(path), dtype="bfloat16", device="cpu", tiles_from_rows=tiles)
+    onednn = load_model(str(path), dtype="bfloat16", device="cpu", bf16_kernels=False)
+    assert set(kept_bits(ours).values()) == {16} and len(kept_bits(ours)) == 2 * 4 + 1  # 4 a layer, and the head
+    assert ours.model.model.fused_decode is not None
+    assert not kept_bits(exact) and not kept_bits(onednn) and onednn.model.model.fused_decode is None
+    runs = fused_steps(ours)
+    models = (ours, onednn, exact)
+    states = [decode_steps(loaded, PROMPTS, 3) for loaded in models]
+    logits = [[loaded.model.compute_logits(h) for h in steps] for loaded, steps in zip(models, states, strict=True)]
+    hidden = [[h.float() for h in steps] for steps in states]
+    assert len(runs) == 3
+    for got, onednn_got, reference in (hidden, logits):
+        error, onednn_error = (max((g - r).abs().max().item() for g, r in zip(steps, reference, strict=True))
+                               for steps in (got, onednn_got))
+        assert error <= 1.5 * onednn_error and onednn_error < 0.1 * max(r.abs().max().item() for r in reference)
+
+
+def test_an_fp32_model_keeps_in_bf16_only_the_matrices_whose_values_are_bf16_ones(tmp_path: Path) -> None:
+    """fp32 weights that are bf16 values (a bf16 checkpoint loaded in fp32) run the kernels on half the bytes and
+    compute the same (fp32 products, only the order of the sums differs from oneDNN's); a matrix of other values
+    stays dense, and then its layer op by op."""
+    path = write_model(tmp_path / "m.gguf", QType.F32, bias=False, bf16_values_but="blk.1.ffn_down.weight")
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert set(kept_bits(loaded).values()) == {16} and len(kept_bits(loaded)) == 2 * 4 + 1 - 1
+    assert "model.layers.1.mlp.down_proj" not in kept_bits(loaded) and loaded.model.model.fused_decode is None
+    reference = load_model(str(path), dtype="float32", device="cpu", bf16_kernels=False)
+    for ours, theirs in zip(decode_steps(loaded, PROMPTS, 3), decode_steps(reference, PROMPTS, 3), strict=True):
+        assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+
+
 @pytest.mark.parametrize("budget", [0, 2**30])
 def test_decode_steps_run_fused_unless_dense_copies_take_them(tmp_path: Path, budget: int) -> None:
     """Dense copies (where the budget allows) run steps of DENSE_FROM_ROWS rows or more; without them every decode
@@ -241,8 +291,9 @@ def test_decode_steps_run_fused_unless_dense_copies_take_them(tmp_path: Path, bu
 
 
 def test_a_layer_it_cannot_run_keeps_the_per_op_path(tmp_path: Path) -> None:
-    """Dense weights (a GGUF loaded with --no-quantized-weights) have no fused layer, nor has deterministic bf16
-    (its fp32 residual stream would round otherwise than the per-op layers of a mixed step)."""
+    """Dense weights the kernels do not take (a GGUF loaded with --no-quantized-weights in fp32: values no bf16 holds)
+    have no fused layer, nor has deterministic bf16 (its fp32 residual stream would round otherwise than the per-op
+    layers of a mixed step)."""
     path = write_model(tmp_path / "m.gguf", QType.Q4_1, bias=False)
     assert load_model(str(path), dtype="float32", device="cpu", quantized=False).model.model.fused_decode is None
     deterministic = load_model(str(path), dtype="bfloat16", device="cpu", deterministic=True)

@@ -69,7 +69,8 @@ QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16", "Q2_K", "Q
 def test_quantized_weights_load_to_the_values_their_blocks_hold(qtype: str, tmp_path: Path) -> None:
     """A quantized file, dequantized at load (prepacked where the CPU allows), computes the logits of its F32 twin:
     every weight took the values its blocks decode to, in every projection, the embedding and the head. Kept
-    quantized (the default on CPU), every matrix the kernels run holds those same values."""
+    quantized (the default on CPU), every matrix the kernels run holds those same values; so does a BF16 file's,
+    kept in bf16 for them."""
     quant_type = GGMLQuantizationType[qtype]
     quant_path = write_tiny_gguf(tmp_path / "q.gguf", qtype=quant_type, hidden=256)
     matrices = [t for t in GGUFReader(quant_path).tensors if len(t.shape) == 2]
@@ -82,14 +83,19 @@ def test_quantized_weights_load_to_the_values_their_blocks_hold(qtype: str, tmp_
     assert (ours - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
 
     kept = load_model(str(quant_path), dtype="float32", device="cpu").model
-    plain = dict(load_model(str(twin_path), dtype="float32", device="cpu", prepack=False).model.named_modules())
+    plain = dict(load_model(str(twin_path), dtype="float32", device="cpu", prepack=False,
+                            bf16_kernels=False).model.named_modules())
     quantized = {name: m for name, m in kept.named_modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)}
-    if quant_type not in QUANTIZED_TYPES or not (kernels.load() and kernels.has_vector_kernels()):
+    runs_kernels = kernels.load() and kernels.has_vector_kernels()
+    bf16 = quant_type == GGMLQuantizationType.BF16 and runs_kernels
+    if quant_type not in QUANTIZED_TYPES and not bf16 or not runs_kernels:
         assert not quantized
         return
-    # q/k/v and gate/up of one layer each stacked in one matrix, o and down, the embeddings and the tied head
-    assert len(quantized) == 2 * 4 + 2, sorted(quantized)
-    assert quantized["lm_head"].weight is quantized["model.embed_tokens"].weight  # tied: one copy in memory
+    if bf16:  # bf16 values: the matrices in the kernels' 16-bit layout, the tied head a copy (the embeddings dense)
+        assert len(quantized) == 2 * 4 + 1 and {m.weight.bits for m in quantized.values()} == {16}, sorted(quantized)
+    else:  # q/k/v and gate/up of one layer each stacked in one matrix, o and down, the embeddings and the tied head
+        assert len(quantized) == 2 * 4 + 2, sorted(quantized)
+        assert quantized["lm_head"].weight is quantized["model.embed_tokens"].weight  # tied: one copy in memory
     for name, module in quantized.items():
         expected = plain["model.embed_tokens" if name == "lm_head" else name].weight
         assert torch.equal(module.weight.dequantize(), expected), name
@@ -454,7 +460,7 @@ def test_weights_take_the_requested_dtype_and_device_contiguous(hf_folders: dict
     weights = ((name, t.t().contiguous().t() if t.dim() == 2 else t) for name, t in
                st_loader.load_weights(folder, config, torch.float32))
     model = build_model(config, weights, torch.bfloat16, torch.device(device), 64,
-                        prepack=False)
+                        prepack=False, bf16_kernels=False)
     params = dict(model.named_parameters())
     assert len(params) == 3 + 2 * 8  # embeddings, norm, head; per layer 4 norms (2 for q/k), 4 matrices (2 fused)
     for name, param in params.items():

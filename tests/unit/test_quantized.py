@@ -18,7 +18,7 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.errors import ConfigError
 from tokenmill.layers import linear
-from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear, QuantizedWeight
+from tokenmill.layers.quantized import DENSE_FROM_ROWS, PAIR_ORDER, QuantizedLinear, QuantizedWeight
 from tokenmill.loader import load_model
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight
 from tokenmill.models import registry
@@ -289,6 +289,57 @@ def test_bf16_rows_on_the_tiles_give_the_fp32_rows_result_rounded(qtype: QType, 
     got = quantized_linear(x, weight, 1)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, quantized_linear(x.float(), weight, 1).bfloat16())
+
+
+def bf16_matrix(out: int, width: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out, width, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("out", [40, 64])
+def test_bf16_weights_keep_their_values_in_the_kernels_layout(out: int) -> None:
+    """Every bf16 value where the kernels and the tiles read it (16 chunks of pairs a block); the rows an embedding
+    looks up and the C++ dequantization (dense copies) give them back. out: a partial group, whole ones."""
+    w = bf16_matrix(out, 96)
+    weight = QuantizedWeight.from_dense(w)
+    assert weight.bits == 16 and weight.shape == (out, 96) and weight.qweight.shape == (-(-out // 16), 3, 16, 16, 4)
+    assert weight.nbytes == 16 * -(-out // 16) * 96 * 2
+    assert torch.equal(weight.dequantize(torch.bfloat16), w)
+    rows = torch.tensor([out - 1, 0, 17])
+    assert torch.equal(weight.dequantize(torch.float32, rows=rows), w[rows].float())
+    assert torch.equal(QuantizedLinear(weight, None).dense_weight(torch.bfloat16), w)
+    # chunk c of a block holds weights PAIR_ORDER[2c] and PAIR_ORDER[2c + 1] of each of the group's 16 rows
+    pairs = weight.qweight.view(torch.bfloat16)[0, 1]  # [16 chunks, 16 rows, 2]: group 0, block 1
+    assert torch.equal(pairs[5, 3], w[3, 32 + PAIR_ORDER[10:12]])
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("rows", [1, 8, 19])
+@pytest.mark.parametrize("out", [40, 64])
+def test_the_kernel_multiplies_bf16_weights_in_fp32(rows: int, out: int) -> None:
+    """fp32 rows times the bf16 weights, each widened exactly, summed in fp32: x @ W.T to fp32's rounding, with no
+    rounding of the activations (which the integer kernel's int8 and the tiles' bf16 would show)."""
+    w = bf16_matrix(out, 512, seed=rows)
+    weight = QuantizedWeight.from_dense(w)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    expected = x.double() @ w.double().T
+    got = quantized_linear(x, weight, 0)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+@needs_tiles
+@pytest.mark.parametrize(("rows", "out"), [(1, 48), (17, 40), (40, 64), (70, 16)])
+def test_the_tiles_read_bf16_weights_where_they_lie(rows: int, out: int) -> None:
+    """The 16-bit layout is the tiles' own: the product of the activations rounded to bf16 and the weights, fp32
+    sums, with panels of two groups, one, and a partial one."""
+    w = bf16_matrix(out, 512, seed=rows)
+    weight = QuantizedWeight.from_dense(w)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    expected = x.bfloat16().double() @ w.double().T
+    tiles = quantized_linear(x, weight, 1)
+    assert (tiles.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (quantized_linear(x, weight, 0).double() - expected).abs().max() > 1e-4 * expected.abs().max()
 
 
 @needs_tiles

@@ -1,6 +1,7 @@
 """Decode and prefill speed of a model inside the engine (no HTTP), per dtype, and on CUDA with and without graphs.
 
     python -m tokenmill.bench.decode [MODEL] --dtype float32 bfloat16 --tokens 128 --runs 5 [--quantized both]
+    python -m tokenmill.bench.decode MODEL --quantized off --bf16-kernels both --streams 1 32 --prefill
     python -m tokenmill.bench.decode MODEL --device cuda --dtype bfloat16 --streams 1 32 256 --graphs both \\
         --row-matmul both --prefill --profile
 
@@ -28,6 +29,7 @@ from tokenmill.api.engine_client import EngineClient
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.kernels import gpu
+from tokenmill.layers.quantized import QuantizedLinear
 from tokenmill.loader import weight_bytes
 from tokenmill.sampling import SamplingParams
 
@@ -171,18 +173,22 @@ def _profile(engine: Engine, prompt_ids: list[int], timed_steps: int = 64, profi
 
 def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads: int | None, quantized: bool,
             streams: list[int], eager: bool, prefill: bool, profile: bool, row_matmul: bool = True,
-            pdl: bool = True) -> dict:
+            pdl: bool = True, bf16_kernels: bool = True) -> dict:
     if threads:
         torch.set_num_threads(threads)
     engine = Engine(EngineConfig(model=model, dtype=dtype, device=device, quantized_weights=quantized,
                                  max_num_seqs=max(streams), enforce_eager=eager, gpu_row_matmul=row_matmul,
-                                 gpu_pdl=pdl))
+                                 gpu_pdl=pdl, bf16_kernels=bf16_kernels))
     engine.start()  # loads the model on the engine thread
     try:
         prompt_ids = engine.tokenizer.encode(PROMPT)
         asyncio.run(_streams(engine, [prompt_ids] * max(streams), 8))  # warm-up
         quantized_bytes, dense_bytes = weight_bytes(engine.runner.model)
-        result: dict = {"weights": quantized_bytes + dense_bytes, "quantized": quantized_bytes > 0,
+        modules = engine.runner.model.modules()  # type: ignore[attr-defined]
+        kept = [m.weight.bits for m in modules if isinstance(m, QuantizedLinear)]
+        result: dict = {"weights": quantized_bytes + dense_bytes,
+                        "quantized": any(bits < 16 for bits in kept) or (quantized_bytes > 0 and not kept),
+                        "bf16_kernels": 16 in kept,
                         "graphs": engine.runner.graphs is not None,
                         "row_matmul": row_matmul and engine.runner.device.type == "cuda",
                         "pdl": pdl and gpu.pdl_ready(engine.runner.device)}
@@ -221,23 +227,28 @@ def main() -> None:
     parser.add_argument("--pdl", choices=["on", "off", "both"], default="on",
                         help="CUDA, sm_90 and newer: the Triton kernels launch with programmatic dependent launch "
                              "(off: --no-gpu-pdl; both: each, in its own process)")
+    parser.add_argument("--bf16-kernels", choices=["on", "off", "both"], default="on",
+                        help="CPU: dense matrices of bf16 values run tokenmill's kernels (off: --no-bf16-kernels, "
+                             "oneDNN's matmuls; both: each, in its own process)")
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads")
-    print(f"{'dtype':<10} {'quant':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} {'streams':>7} {'median tok/s':>12} "
+    print(f"{'dtype':<10} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} {'streams':>7} "
+          f"{'median tok/s':>12} "
           f"{'min':>9} {'max':>9} {'weights GB/s':>12}")
     spawn = multiprocessing.get_context("spawn")
     both = {"on": [True], "off": [False], "both": [False, True]}
-    runs = [(d, q, g, r, p) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
-            for r in both[args.row_matmul] for p in both[args.pdl]]
-    for dtype, quantized, graphs, row, pdl in runs:
+    runs = [(d, q, g, r, p, k) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
+            for r in both[args.row_matmul] for p in both[args.pdl] for k in both[args.bf16_kernels]]
+    for dtype, quantized, graphs, row, pdl, bf16_kernels in runs:
         # A fresh process each, so none inherits another's memory, thread pools or graphs.
         with spawn.Pool(1) as pool:
             result = pool.apply(measure, (args.model, dtype, args.device, args.tokens, args.runs,
                                           args.threads, quantized, args.streams, not graphs, args.prefill,
-                                          args.profile, row, pdl))
-        mode = (f"{'on' if result['quantized'] else 'off':<6} {'on' if result['graphs'] else 'off':<7} "
+                                          args.profile, row, pdl, bf16_kernels))
+        mode = (f"{'on' if result['quantized'] else 'off':<6} {'on' if result['bf16_kernels'] else 'off':<6} "
+                f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
         for n in args.streams:
             speeds = result[n]
@@ -249,7 +260,7 @@ def main() -> None:
             print(f"{dtype:<10} {mode} {'prefill':>7} {statistics.median(speeds):>12.1f} "
                   f"{min(speeds):>9.1f} {max(speeds):>9.1f}")
         if "profile" in result:
-            print(f"profile, {dtype}, quantized, graphs, row matmul and PDL {' '.join(mode.split())}:\n"
+            print(f"profile, {dtype}, quantized, bf16 kernels, graphs, row matmul and PDL {' '.join(mode.split())}:\n"
                   f"{result['profile']}")
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class Engine:
                           quantized=c.quantized_weights, dense_budget=budget,
                           dequantize_from_rows=c.dequantize_from_rows, fused_decode=c.fused_decode_layers,
                           deterministic=c.deterministic, tiles_from_rows=c.amx_from_rows,
-                          past_trained_context=draft or c.allow_long_max_model_len)
+                          past_trained_context=draft or c.allow_long_max_model_len, bf16_kernels=c.bf16_kernels)
 
     def _proposer(self) -> Proposer | None:
         c = self.config

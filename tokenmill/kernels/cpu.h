@@ -131,11 +131,15 @@ struct QuantizedRows {
 // Output rows interleaved in a quantized weight's group (quant.cpp describes the layout).
 constexpr int64_t kInterleave = 16;
 
+// bf16 weights (16 bits, quant.cpp) hold a row's block of 32 as 16 pairs, chunk r the weights pair_first(r) and
+// pair_first(r) + 2: an AMX B tile's row r (tiles.cpp), an order cheap to unpack from 4-bit chunks.
+constexpr int pair_first(int r) { return 4 * (r / 4) + ((r % 4) >> 1) + 16 * (r % 2); }
+
 // A weight kept quantized (layers/quantized.py): w = scale * (q - zero) + shift per `sub` weights.
 struct QuantizedMatrix {
   const uint8_t* q;     // [groups, in / 32, bits, 16, 4]: a row's block of 32 weights in `bits` chunks of 4 bytes
-  int bits;             // 4, 5, 6 (uint8) or 8 (int8)
-  const void* scales;   // [groups, in / sub, 16], fp32, or fp16 where every scale is one (half_scales)
+  int bits;             // 4, 5, 6 (uint8) or 8 (int8); 16: bf16 values themselves (no scales, shift nor zero)
+  const void* scales;   // [groups, in / sub, 16], fp32, or fp16 where every scale is one (half_scales); 16 bits: null
   const void* shift;    // [groups, in / sub, 16] of the scales' type, or nullptr
   bool half_scales;
   int64_t zero;         // Q4_0: 8, Q5_0: 16, Q6_K: 32; else 0
@@ -154,13 +158,16 @@ constexpr int high_mask() { return BITS == 6 ? 3 : 1; }
 // Calls f(BITS, SUB, S{}) for w's layout, BITS and SUB as std::integral_constant: 4- or 5-bit weights with a scale
 // per 32, 6-bit ones with one per 16, or 8-bit ones with one per 32 or per 16; S the scales' type, at::Half or
 // float. Each kernel is a template on the three, so the kernels that take a matrix dispatch through this one place.
+// bf16 weights: f(16, 32, float).
 template <typename F>
 void with_layout(const QuantizedMatrix& w, F&& f) {
   const auto scales = [&](auto bits, auto sub) {
     w.half_scales ? f(bits, sub, at::Half{}) : f(bits, sub, float{});
   };
   using Sub32 = std::integral_constant<int, 32>;
-  if (w.bits == 4 && w.sub == 32) {
+  if (w.bits == 16) {
+    f(std::integral_constant<int, 16>{}, Sub32{}, float{});
+  } else if (w.bits == 4 && w.sub == 32) {
     scales(std::integral_constant<int, 4>{}, Sub32{});
   } else if (w.bits == 4) {  // Q2_K, Q3_K: a scale per 16
     scales(std::integral_constant<int, 4>{}, std::integral_constant<int, 16>{});

@@ -22,7 +22,13 @@
 //                            beside its nibbles;
 //   6-bit (uint8, 6 chunks): the 4-bit chunks, then two chunks of the top two bits, of weights 4c + k (chunk 4)
 //                            and of 16 + 4c + k (chunk 5) in bits 2c, 2c + 1 of byte k (Q6_K);
-//   8-bit (int8, 8 chunks):  weights 4c..4c+3 (Q8_0).
+//   8-bit (int8, 8 chunks):  weights 4c..4c+3 (Q8_0);
+//   16-bit (uint8, 16 chunks): bf16 weights themselves, chunk c a pair of two (cpu.h's pair_first) as an AMX B tile
+//                            holds them (tiles.cpp). A dense model's bf16 weights (layers/quantized.py's
+//                            from_dense) take this kernel's path without its int8 activations: fp32 rows, each
+//                            weight widened exactly, fp32 multiply-adds; at one row oneDNN's prepacked bf16 matmul
+//                            read them at 0.75x the speed (measured on Sapphire Rapids), and the fused decode layer
+//                            runs them.
 // Fewer bits, fewer bytes to read: 5.5 to 7 bits a weight with the scales (Q5_*) and 8 (Q6_K) where a byte a
 // weight read 8.5 to 10; at one row the kernel's time follows.
 // scales and shift: [groups, in / sub, 16], w = scale * (q - zero) + shift per `sub` = 32 (or 16: 6- and 8-bit)
@@ -148,6 +154,10 @@ struct Isa {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(x_scale)), acc);
   }
   static F fma(F a, float b, F acc) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), acc); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  // the first and the second bf16 of each lane, as fp32
+  static F first_bf16(I v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+  static F second_bf16(I v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(~0xFFFF))); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #elif defined(TOKENMILL_AVX2)
@@ -185,6 +195,9 @@ struct Isa {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_set1_ps(x_scale)), acc);
   }
   static F fma(F a, float b, F acc) { return _mm256_fmadd_ps(a, _mm256_set1_ps(b), acc); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F first_bf16(I v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static F second_bf16(I v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(~0xFFFF))); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 #endif
@@ -315,18 +328,78 @@ void group_rows(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
   }
 }
 
-template <int BITS, int SUB, typename S>
-void matmul(const QuantizedRows& x, int64_t rows, const QuantizedMatrix& w, float* out) {
+// bf16 weights (16 bits): group g's 16 output rows for fp32 activation rows r0..r0+N-1, as group_tile.
+template <int N>
+void bf16_group_tile(const QuantizedMatrix& w, int64_t g, const float* x, int64_t r0, float (*out)[kLanes]) {
+  const int64_t blocks = w.in / kBlock, block_bytes = 16 * kLanes * 4;
+  const uint8_t* q = w.q + g * blocks * block_bytes;
+#if defined(TOKENMILL_AVX2)
+  using V = Isa;
+  constexpr int64_t kAhead = 2;  // blocks
+  for (int64_t lane0 = 0; lane0 < kLanes; lane0 += V::kLanes) {
+    typename V::F first[N], second[N];  // two sums a row: half as long a chain of dependent multiply-adds
+    for (int i = 0; i < N; ++i) first[i] = second[i] = V::zero_f();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* at = q + b * block_bytes + lane0 * 4;
+      if (lane0 == 0) prefetch(at + kAhead * block_bytes, block_bytes);
+      for (int c = 0; c < 16; ++c) {
+        const typename V::I v = V::load(at + c * kLanes * 4);
+        const typename V::F e = V::first_bf16(v), o = V::second_bf16(v);
+        const int64_t j = b * kBlock + tokenmill::pair_first(c);
+        for (int i = 0; i < N; ++i) {
+          first[i] = V::fma(e, x[(r0 + i) * w.in + j], first[i]);
+          second[i] = V::fma(o, x[(r0 + i) * w.in + j + 2], second[i]);
+        }
+      }
+    }
+    for (int i = 0; i < N; ++i) V::store(out[i] + lane0, V::add(first[i], second[i]));
+  }
+#else
+  for (int i = 0; i < N; ++i)
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int c = 0; c < 16; ++c)
+          for (int half = 0; half < 2; ++half) {
+            uint16_t bits;
+            std::memcpy(&bits, q + (b * 16 + c) * kLanes * 4 + lane * 4 + 2 * half, sizeof bits);
+            const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+            float weight;
+            std::memcpy(&weight, &widened, sizeof weight);
+            acc += weight * x[(r0 + i) * w.in + b * kBlock + tokenmill::pair_first(c) + 2 * half];
+          }
+      out[i][lane] = acc;
+    }
+#endif
+}
+
+void bf16_group_rows(const QuantizedMatrix& w, int64_t g, const float* x, int64_t r0, int64_t n,
+                     float (*out)[kLanes]) {
+  switch (n) {
+    case 8: bf16_group_tile<8>(w, g, x, r0, out); break;
+    case 7: bf16_group_tile<7>(w, g, x, r0, out); break;
+    case 6: bf16_group_tile<6>(w, g, x, r0, out); break;
+    case 5: bf16_group_tile<5>(w, g, x, r0, out); break;
+    case 4: bf16_group_tile<4>(w, g, x, r0, out); break;
+    case 3: bf16_group_tile<3>(w, g, x, r0, out); break;
+    case 2: bf16_group_tile<2>(w, g, x, r0, out); break;
+    default: bf16_group_tile<1>(w, g, x, r0, out); break;
+  }
+}
+
+// out[rows, w.out], groups shared among the threads: tile(g, r0, n, t) puts group g's columns of rows r0..r0+n-1
+// (n <= kRowTile) in t.
+template <typename Tile>
+void over_groups(int64_t rows, const QuantizedMatrix& w, float* out, Tile tile) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    float tile[kRowTile][kLanes];
+    float t[kRowTile][kLanes];
     for (int64_t g = begin; g < end; ++g) {
       const int64_t valid = std::min(kLanes, w.out - g * kLanes);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int64_t n = std::min(kRowTile, rows - r0);
-        group_rows<BITS, SUB, S>(w, g, x, r0, n, tile);
-        for (int64_t i = 0; i < n; ++i)
-          std::memcpy(out + (r0 + i) * w.out + g * kLanes, tile[i], valid * sizeof(float));
+        tile(g, r0, n, t);
+        for (int64_t i = 0; i < n; ++i) std::memcpy(out + (r0 + i) * w.out + g * kLanes, t[i], valid * sizeof(float));
       }
     }
   });
@@ -354,7 +427,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
 
 // The dense [out, in] matrix of dtype (fp32, bf16 or fp16): w = scale * (q - zero) + shift, each value computed
 // in fp32 and rounded once, as layers/quantized.py's QuantizedWeight.dequantize does in torch ops (which take ~8
-// passes over the matrix where this takes one).
+// passes over the matrix where this takes one). bf16 weights: their values.
 template <int BITS, typename S, typename T>
 void dequantize_rows(const QuantizedMatrix& w, T* out) {
   const int64_t blocks = w.in / kBlock, groups = w.in / w.sub;
@@ -365,13 +438,22 @@ void dequantize_rows(const QuantizedMatrix& w, T* out) {
       const int64_t g = o / kLanes, lane = o % kLanes;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* at = w.q + (g * blocks + b) * block_bytes + lane * 4;
-        for (int64_t j = 0; j < kBlock; ++j) values[j] = static_cast<float>(code<BITS>(at, j) - w.zero);
         T* row = out + o * w.in + b * kBlock;
-        for (int64_t k = 0; k < kBlock / w.sub; ++k) {  // the block's scales (one, or two of 16 weights)
-          const int64_t at_scale = (g * groups + b * (kBlock / w.sub) + k) * kLanes + lane;
-          const float scale = static_cast<float>(static_cast<const S*>(w.scales)[at_scale]);
-          const float shift = w.shift ? static_cast<float>(static_cast<const S*>(w.shift)[at_scale]) : 0.f;
-          for (int64_t j = k * w.sub; j < (k + 1) * w.sub; ++j) row[j] = static_cast<T>(values[j] * scale + shift);
+        if constexpr (BITS == 16) {
+          for (int c = 0; c < 16; ++c)
+            for (int half = 0; half < 2; ++half) {
+              at::BFloat16 v;
+              std::memcpy(&v, at + c * kLanes * 4 + 2 * half, sizeof v);
+              row[tokenmill::pair_first(c) + 2 * half] = static_cast<T>(static_cast<float>(v));
+            }
+        } else {
+          for (int64_t j = 0; j < kBlock; ++j) values[j] = static_cast<float>(code<BITS>(at, j) - w.zero);
+          for (int64_t k = 0; k < kBlock / w.sub; ++k) {  // the block's scales (one, or two of 16 weights)
+            const int64_t at_scale = (g * groups + b * (kBlock / w.sub) + k) * kLanes + lane;
+            const float scale = static_cast<float>(static_cast<const S*>(w.scales)[at_scale]);
+            const float shift = w.shift ? static_cast<float>(static_cast<const S*>(w.shift)[at_scale]) : 0.f;
+            for (int64_t j = k * w.sub; j < (k + 1) * w.sub; ++j) row[j] = static_cast<T>(values[j] * scale + shift);
+          }
         }
       }
     }
@@ -404,13 +486,20 @@ QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at:
   TORCH_CHECK(qweight.dim() == 5 && qweight.is_contiguous() && qweight.size(3) == kLanes && qweight.size(4) == 4,
               "qweight must be a contiguous [groups, blocks, chunks, 16, 4] interleaving");
   const int bits = static_cast<int>(qweight.size(2));  // chunks of 4 bytes a row's block: its bits a weight
-  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && bits >= 4 && bits <= 8 && bits != 7,
-              "qweight must be uint8 of 4, 5 or 6 chunks a block (its bits a weight) or int8 of 8");
-  TORCH_CHECK(bits == 6 ? sub == 16 : sub == 32 || (sub == 16 && (bits == 8 || bits == 4)),
-              "sub must be 16 for 6-bit weights, 32 or 16 for 4- and 8-bit ones, else 32");
   const int64_t groups = qweight.size(0), in = qweight.size(1) * kBlock;
   TORCH_CHECK(out_features > (groups - 1) * kLanes && out_features <= groups * kLanes,
               "qweight's ", groups, " groups of 16 rows do not hold ", out_features, " rows");
+  if (bits == 16) {
+    TORCH_CHECK(qweight.scalar_type() == at::kByte && scales.numel() == 0 && !shift.has_value() && zero == 0,
+                "bf16 weights are uint8 of 16 chunks a block, without scales, shift nor zero point");
+    return {static_cast<const uint8_t*>(qweight.data_ptr()), bits, nullptr, nullptr, false, 0, kBlock, in,
+            out_features};
+  }
+  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && bits >= 4 && bits <= 8 && bits != 7,
+              "qweight must be uint8 of 4, 5 or 6 chunks a block (its bits a weight), int8 of 8 or uint8 of 16 "
+              "(bf16)");
+  TORCH_CHECK(bits == 6 ? sub == 16 : sub == 32 || (sub == 16 && (bits == 8 || bits == 4)),
+              "sub must be 16 for 6-bit weights, 32 or 16 for 4- and 8-bit ones, else 32");
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous(),
               "scales must be contiguous fp32 or fp16");
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == in / sub && scales.size(2) == kLanes,
@@ -432,9 +521,18 @@ void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMa
     tile_matmul(x, rows, w, out);
     return;
   }
-  const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub);
   tokenmill::with_layout(w, [&](auto bits, auto sub, auto s) {
-    matmul<decltype(bits)::value, decltype(sub)::value, decltype(s)>(xq, rows, w, out);
+    constexpr int kBits = decltype(bits)::value;
+    if constexpr (kBits == 16) {
+      over_groups(rows, w, out, [&](int64_t g, int64_t r0, int64_t n, float (*t)[kLanes]) {
+        bf16_group_rows(w, g, x, r0, n, t);
+      });
+    } else {
+      const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub);
+      over_groups(rows, w, out, [&](int64_t g, int64_t r0, int64_t n, float (*t)[kLanes]) {
+        group_rows<kBits, decltype(sub)::value, decltype(s)>(w, g, xq, r0, n, t);
+      });
+    }
   });
 }
 

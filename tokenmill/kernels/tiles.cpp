@@ -13,7 +13,8 @@
 // A B tile holds 16 pairs of weights for each of 16 output rows (a 32-bit lane each); the pairs are chosen to be
 // cheap to unpack from the interleaved layout (quant.cpp), and the activations are permuted within each block of 32
 // to match: B tile row r = 4c + i holds weights first(r) and first(r) + 2 of the block, with
-// first(r) = 4c + (i >> 1) + 16 (i & 1).
+// first(r) = 4c + (i >> 1) + 16 (i & 1) (cpu.h's pair_first). bf16 weights (16 bits) are stored as those tiles
+// already: the products read them where they lie.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,8 +41,6 @@ constexpr int64_t kBlock = 32;   // weights per quantization block: one tile's d
 constexpr int64_t kLanes = tokenmill::kInterleave;  // output rows of a group: one B tile's width
 constexpr int64_t kTile = 16;    // activation rows of an A or C tile
 constexpr int64_t kTileBytes = kTile * 64;
-
-inline int first_of_pair(int r) { return 4 * (r / 4) + ((r % 4) >> 1) + 16 * (r % 2); }
 
 // Tile registers: C 0..3 (activation tile m, group n at 2m + n), A 4..5, B 6..7; every tile 16 rows of 64 bytes.
 struct alignas(64) TileConfig {
@@ -145,7 +144,7 @@ inline __m512i bf16_words(const at::BFloat16* src) { return _mm512_loadu_si512(s
 template <typename T>
 at::Tensor activation_tiles(const T* x, int64_t rows, int64_t padded, int64_t in) {
   alignas(64) int16_t order[32];
-  for (int r = 0; r < 16; ++r) order[2 * r] = first_of_pair(r), order[2 * r + 1] = first_of_pair(r) + 2;
+  for (int r = 0; r < 16; ++r) order[2 * r] = tokenmill::pair_first(r), order[2 * r + 1] = tokenmill::pair_first(r) + 2;
   const __m512i perm = _mm512_load_si512(order);
   const int64_t blocks = in / kBlock;
   at::Tensor tiles = at::empty({padded * in}, at::kBFloat16);
@@ -164,10 +163,11 @@ at::Tensor activation_tiles(const T* x, int64_t rows, int64_t padded, int64_t in
   return tiles;
 }
 
-// out's columns of groups g0..g0+N-1 (N: 1 or 2), every activation row: tiles(b) gives block b's N B tiles. out:
-// fp32, or bf16 (each sum rounded to nearest even, as torch's conversion of the fp32 result would).
+// out's columns of groups g0..g0+N-1 (N: 1 or 2), every activation row: tiles(b) gives block b's first B tile, the
+// second `next` words on. out: fp32, or bf16 (each sum rounded to nearest even, as torch's conversion of the fp32
+// result would).
 template <int N, typename Tiles, typename T>
-void panel_product(const uint16_t* a, int64_t padded, int64_t blocks, Tiles tiles, int64_t g0,
+void panel_product(const uint16_t* a, int64_t padded, int64_t blocks, Tiles tiles, int64_t next, int64_t g0,
                    const tokenmill::QuantizedMatrix& w, int64_t rows, T* out) {
   alignas(64) float partial[kTile * kLanes];
   for (int64_t m0 = 0; m0 < padded; m0 += 2 * kTile) {
@@ -184,7 +184,7 @@ void panel_product(const uint16_t* a, int64_t padded, int64_t blocks, Tiles tile
       _tile_loadd(6, bt, 64);
       _tile_dpbf16ps(0, 4, 6);
       if constexpr (N == 2) {
-        _tile_loadd(7, bt + kTileBytes / 2, 64);
+        _tile_loadd(7, bt + next, 64);
         _tile_dpbf16ps(1, 4, 7);
       }
       if (two) {
@@ -237,26 +237,35 @@ void tile_matmul_typed(const T* x, int64_t rows, const tokenmill::QuantizedMatri
     static const TileConfig config;
     _tile_loadconfig(&config);
     thread_local std::vector<uint16_t> panel;  // [blocks][groups of the panel][16 tile rows][32 bf16]
-    panel.resize(blocks * 2 * kTileBytes / 2);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t g0 = 2 * p, n = std::min<int64_t>(2, groups - g0);
-      const auto dequantized = [&](int64_t b) { return panel.data() + b * n * kTileBytes / 2; };  // block b's n tiles
-      const auto dequantize = [&](int64_t b) {
-        PairWriter put;
-        for (int64_t j = 0; j < n; ++j) {
-          put.tile = dequantized(b) + j * kTileBytes / 2;
-          dequantize_block<BITS, SUB, S>(w, g0 + j, b, put);
-        }
-        return dequantized(b);
-      };
-      if (!one_pass)
-        for (int64_t b = 0; b < blocks; ++b) dequantize(b);
-      if (n == 2) {
-        one_pass ? panel_product<2>(a, padded, blocks, dequantize, g0, w, rows, out)
-                 : panel_product<2>(a, padded, blocks, dequantized, g0, w, rows, out);
+      if constexpr (BITS == 16) {  // the weights are the tiles
+        const uint16_t* q = reinterpret_cast<const uint16_t*>(w.q) + g0 * blocks * kTileBytes / 2;
+        const auto stored = [&](int64_t b) { return q + b * kTileBytes / 2; };
+        const int64_t next = blocks * kTileBytes / 2;
+        n == 2 ? panel_product<2>(a, padded, blocks, stored, next, g0, w, rows, out)
+               : panel_product<1>(a, padded, blocks, stored, next, g0, w, rows, out);
       } else {
-        one_pass ? panel_product<1>(a, padded, blocks, dequantize, g0, w, rows, out)
-                 : panel_product<1>(a, padded, blocks, dequantized, g0, w, rows, out);
+        panel.resize(blocks * 2 * kTileBytes / 2);
+        const auto dequantized = [&](int64_t b) { return panel.data() + b * n * kTileBytes / 2; };  // its n tiles
+        const auto dequantize = [&](int64_t b) {
+          PairWriter put;
+          for (int64_t j = 0; j < n; ++j) {
+            put.tile = dequantized(b) + j * kTileBytes / 2;
+            dequantize_block<BITS, SUB, S>(w, g0 + j, b, put);
+          }
+          return dequantized(b);
+        };
+        if (!one_pass)
+          for (int64_t b = 0; b < blocks; ++b) dequantize(b);
+        const int64_t next = kTileBytes / 2;
+        if (n == 2) {
+          one_pass ? panel_product<2>(a, padded, blocks, dequantize, next, g0, w, rows, out)
+                   : panel_product<2>(a, padded, blocks, dequantized, next, g0, w, rows, out);
+        } else {
+          one_pass ? panel_product<1>(a, padded, blocks, dequantize, next, g0, w, rows, out)
+                   : panel_product<1>(a, padded, blocks, dequantized, next, g0, w, rows, out);
+        }
       }
     }
     _tile_release();

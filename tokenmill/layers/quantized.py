@@ -7,6 +7,9 @@ value: dequantize() equals gguf's own dequantization bit for bit in fp32). 4-bit
 5- and 6-bit ones the same and planes of their higher bits; Q8_0 takes a byte a weight.
 Rows are interleaved by 16 (INTERLEAVE), four weights of each row at a time, so that the kernel advances 16 output
 rows with one vector instruction.
+
+A dense model's bf16 weights take the same layout at 16 bits a weight (from_dense): the kernels' path, the fused
+decode layer's included, for matrices that oneDNN would multiply one op at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from torch import nn
 from tokenmill.kernels import gpu
 
 INTERLEAVE = 16  # output rows a group interleaves: kInterleave in kernels/cpu.h
+# bf16 weights: a block of 32 as 16 pairs, pair r of weights r's first and that + 2 (kernels/cpu.h's pair_first):
+# PAIR_ORDER[k] is the weight at position k of a block's pairs.
+PAIR_ORDER = torch.tensor([4 * (r // 4) + (r % 4 >> 1) + 16 * (r % 2) + 2 * second
+                           for r in range(16) for second in (0, 1)])
 
 
 @dataclass
@@ -29,9 +36,10 @@ class QuantizedWeight:
     # weight j in its low nibble and weight 16+j in its high one; uint8, 5 chunks: those of the low four bits, then
     # the fifth bits (byte k: of weight 4c+k in bit 2c, of 16+4c+k in bit 2c+1; kernels/quant.cpp); uint8, 6
     # chunks: the nibbles, then the top two bits of weights 4c+k and of 16+4c+k (bits 2c, 2c+1 of byte k of chunk 4,
-    # and of chunk 5); int8, 8 chunks: one weight a byte. The chunks a block takes are its bits a weight.
+    # and of chunk 5); int8, 8 chunks: one weight a byte; uint8, 16 chunks: bf16 values, chunk c the pair of
+    # weights PAIR_ORDER[2c], PAIR_ORDER[2c + 1] (from_dense). The chunks a block takes are its bits a weight.
     qweight: torch.Tensor
-    scales: torch.Tensor  # [groups, in/sub, 16]: fp32, or fp16 where every scale and min is an fp16 value
+    scales: torch.Tensor  # [groups, in/sub, 16]: fp32, or fp16 where every scale and min is an fp16 value; bf16: empty
     mins: torch.Tensor | None  # [groups, in/sub, 16] of the scales' dtype, or None for 0
     zero: int  # subtracted from q (Q4_0: 8, Q5_0: 16, Q6_K: 32); 0 for int8 storage, whose q are signed already
     sub: int  # weights per scale: 32, or 16 (Q6_K)
@@ -56,6 +64,15 @@ class QuantizedWeight:
             qweight.transpose(2, 3).contiguous(), grouped(scales, 1).squeeze(-1).contiguous(),
             None if mins is None else grouped(mins, 1).squeeze(-1).contiguous(), zero, sub, out)
 
+    @staticmethod
+    def from_dense(weight: torch.Tensor) -> QuantizedWeight:
+        """A dense [out, in] matrix (in a multiple of 32) rounded to bf16, in the 16-bit layout."""
+        out, width = weight.shape
+        w = F.pad(weight.to(torch.bfloat16), (0, 0, 0, -out % INTERLEAVE))
+        pairs = w.view(-1, INTERLEAVE, width // 32, 32)[..., PAIR_ORDER]  # [groups, 16, blocks, 32]
+        qweight = pairs.view(*pairs.shape[:3], 16, 2).permute(0, 2, 3, 1, 4).contiguous()  # [groups, blocks, 16, 16, 2]
+        return QuantizedWeight(qweight.view(torch.uint8), torch.empty(0), None, 0, 32, out)
+
     def plain(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """interleave's arguments back (q, scales, mins), of every row or of the given ones, in that order."""
         if index is None:
@@ -79,6 +96,13 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The dense [out, in] matrix, or the given rows of it."""
+        if self.bits == 16:
+            index = torch.arange(self.out_features) if rows is None else rows
+            # [n, blocks, 16, 2]: each row's pairs
+            pairs = self.qweight.view(torch.bfloat16)[index // INTERLEAVE, :, :, index % INTERLEAVE]
+            dense = torch.empty_like(pairs).view(len(index), -1, 32)
+            dense[..., PAIR_ORDER] = pairs.reshape(dense.shape)
+            return dense.view(len(index), -1).to(dtype)
         q, scales, mins = self.codes(rows)
         n, width = q.shape
         w = (q.view(n, width // self.sub, self.sub) - self.zero).float() * scales.float()[..., None]
@@ -177,6 +201,24 @@ class QuantizedLinear(nn.Module):
         out = torch.ops.tokenmill.quantized_linear(x, w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features,
                                                    self.tiles_from_rows)
         return out if self.bias is None else out + self.bias
+
+
+def bf16_linears(module: nn.Module, exact_only: bool) -> int:
+    """Replace every nn.Linear under module (of inputs a multiple of 32) by a QuantizedLinear of its weights in the
+    16-bit layout (QuantizedWeight.from_dense); exact_only: of those whose values are bf16 ones only (an fp32 model
+    of a bf16 checkpoint), so that the model computes the same. Returns how many."""
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or child.in_features % 32:
+                continue
+            w = child.weight.detach()
+            if exact_only and not torch.equal(w.to(torch.bfloat16).to(w.dtype), w):
+                continue
+            bias = None if child.bias is None else child.bias.detach()
+            setattr(parent, name, QuantizedLinear(QuantizedWeight.from_dense(w), bias))
+            swapped += 1
+    return swapped
 
 
 class GpuQuantizedLinear(nn.Module):

@@ -139,14 +139,15 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
                max_model_len_cap: int = 8192, prepack: bool = True, quantized: bool = True,
                dense_budget: int | None = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
                deterministic: bool = False, tiles_from_rows: int | None = 0,
-               past_trained_context: bool = False) -> LoadedModel:
+               past_trained_context: bool = False, bf16_kernels: bool = True) -> LoadedModel:
     """quantized: keep a GGUF's quantized matrices in their quantization (where the CPU's or GPU's kernels run), with
     dense copies for many-row steps where they fit dense_budget bytes (None: the default for the CPU and dtype,
     models/registry.py); without them, steps of dequantize_from_rows rows or more dequantize each matrix for its
     matmul (0: never); fused_decode: decode steps run each layer of quantized weights as one C++ op;
     deterministic: batch-invariant throughout; tiles_from_rows: a bf16 model's steps of this many rows or more run
     on AMX tiles where there are any (0: never, None: the default; models/registry.py); past_trained_context: let
-    max_model_len exceed the context the model was trained for (refused otherwise)."""
+    max_model_len exceed the context the model was trained for (refused otherwise); bf16_kernels: on CPU, dense matrices
+    of bf16 values run tokenmill's kernels (models/registry.py)."""
     path = resolve(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -176,7 +177,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
     chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)
     served_len = max_model_len or min(config.max_position_embeddings, max_model_len_cap)
     net = build_model(config, weights, torch_dtype, dev, served_len, prepack, dense_budget, dequantize_from_rows,
-                      fused_decode, deterministic, tiles_from_rows)
+                      fused_decode, deterministic, tiles_from_rows, bf16_kernels)
     del weights
     _return_freed_memory()
     quantized_bytes, dense_bytes = weight_bytes(net)

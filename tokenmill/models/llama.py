@@ -35,6 +35,7 @@ from tokenmill.layers.quantized import (
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
+    bf16_linears,
     linear_module,
     on_device,
 )
@@ -294,6 +295,13 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings and not hasattr(self, "lm_head"):
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
         prepack_linears(self)
+
+    def keep_bf16_for_kernels(self, exact_only: bool) -> int:
+        """Swap the dense Linears for the kernels' bf16 layout (layers/quantized.py's bf16_linears); a tied output
+        head gets its copy of the embeddings, as prepack_weights gives it a packed one. Returns how many."""
+        if self.config.tie_word_embeddings and not hasattr(self, "lm_head"):
+            self.lm_head = linear_of(self.model.embed_tokens.weight, None)
+        return bf16_linears(self, exact_only)
 
     def make_row_invariant(self) -> None:
         """Deterministic mode: every dense matmul, the tied output head's too, on fixed row tiles."""
