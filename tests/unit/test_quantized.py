@@ -97,7 +97,9 @@ def test_the_dequantize_kernel_gives_the_layouts_values(qtype: QType) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 8, 19])  # the kernel takes activation rows 8 at a time: whole and partial tiles
+# The kernel takes activation rows 8 at a time (whole and partial tiles), in blocks of 256 KiB of them (1,100 rows:
+# two of 480 and one of 140).
+@pytest.mark.parametrize("rows", [1, 8, 19, 1100])
 def test_the_kernel_computes_the_product(qtype: QType, rows: int) -> None:
     # The AVX-512 path takes blocks of 32 in pairs: an odd count (where the type's blocks allow) ends on a single.
     cols = 512 if GGML_QUANT_SIZES[qtype][0] > 32 else 544
@@ -314,7 +316,7 @@ def test_bf16_weights_keep_their_values_in_the_kernels_layout(out: int) -> None:
 
 
 @pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
-@pytest.mark.parametrize("rows", [1, 8, 19])
+@pytest.mark.parametrize("rows", [1, 8, 19, 300])  # 300: blocks of 128 rows (256 KiB), the last a partial one
 @pytest.mark.parametrize("out", [40, 64])
 def test_the_kernel_multiplies_bf16_weights_in_fp32(rows: int, out: int) -> None:
     """fp32 rows times the bf16 weights, each widened exactly, summed in fp32: x @ W.T to fp32's rounding, with no
