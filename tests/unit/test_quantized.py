@@ -331,10 +331,11 @@ def test_the_kernel_multiplies_bf16_weights_in_fp32(rows: int, out: int) -> None
 
 
 @needs_tiles
-@pytest.mark.parametrize(("rows", "out"), [(1, 48), (17, 40), (40, 64), (70, 16)])
+@pytest.mark.parametrize(("rows", "out"), [(1, 48), (17, 40), (40, 64), (70, 16), (300, 40)])
 def test_the_tiles_read_bf16_weights_where_they_lie(rows: int, out: int) -> None:
     """The 16-bit layout is the tiles' own: the product of the activations rounded to bf16 and the weights, fp32
-    sums, with panels of two groups, one, and a partial one."""
+    sums, with panels of two groups, one, and a partial one; 300 rows: blocks of 256 (256 KiB of tiles), the last
+    a partial one."""
     w = bf16_matrix(out, 512, seed=rows)
     weight = QuantizedWeight.from_dense(w)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))

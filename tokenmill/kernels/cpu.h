@@ -131,6 +131,9 @@ struct QuantizedRows {
 // Output rows interleaved in a quantized weight's group (quant.cpp describes the layout).
 constexpr int64_t kInterleave = 16;
 
+// Activations a matmul of many rows keeps in cache (L2) while the weights pass: a block of rows at a time.
+constexpr int64_t kRowBlockBytes = 256 << 10;
+
 // bf16 weights (16 bits, quant.cpp) hold a row's block of 32 as 16 pairs, chunk r the weights pair_first(r) and
 // pair_first(r) + 2: an AMX B tile's row r (tiles.cpp), an order cheap to unpack from 4-bit chunks.
 constexpr int pair_first(int r) { return 4 * (r / 4) + ((r % 4) >> 1) + 16 * (r % 2); }

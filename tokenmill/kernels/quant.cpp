@@ -395,12 +395,11 @@ void bf16_group_rows(const QuantizedMatrix& w, int64_t g, const float* x, int64_
 // a block before the next: the block stays in cache while the weights pass. Each group over all the rows at once
 // read a 2,048-row step's activations (4.7 MiB of SmolLM2's fp32 rows) once per group, and made the bf16 kernel's
 // fp32 prefill 1.8x slower than oneDNN's.
-constexpr int64_t kRowBlockBytes = 256 << 10;
 
 template <typename Tile>
 void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, float* out, Tile tile) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
-  const int64_t block = std::max<int64_t>(1, kRowBlockBytes / (row_bytes * kRowTile)) * kRowTile;
+  const int64_t block = std::max<int64_t>(1, tokenmill::kRowBlockBytes / (row_bytes * kRowTile)) * kRowTile;
   for (int64_t first = 0; first < rows; first += block) {
     const int64_t last = std::min(rows, first + block);
     at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {

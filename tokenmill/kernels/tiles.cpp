@@ -233,43 +233,54 @@ void tile_matmul_typed(const T* x, int64_t rows, const tokenmill::QuantizedMatri
   const bool one_pass = padded <= 2 * kTile;
   const at::Tensor a_tiles = activation_tiles(x, rows, padded, w.in);
   const uint16_t* a = reinterpret_cast<const uint16_t*>(a_tiles.data_ptr());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    static const TileConfig config;
-    _tile_loadconfig(&config);
-    thread_local std::vector<uint16_t> panel;  // [blocks][groups of the panel][16 tile rows][32 bf16]
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t g0 = 2 * p, n = std::min<int64_t>(2, groups - g0);
-      if constexpr (BITS == 16) {  // the weights are the tiles
-        const uint16_t* q = reinterpret_cast<const uint16_t*>(w.q) + g0 * blocks * kTileBytes / 2;
-        const auto stored = [&](int64_t b) { return q + b * kTileBytes / 2; };
-        const int64_t next = blocks * kTileBytes / 2;
-        n == 2 ? panel_product<2>(a, padded, blocks, stored, next, g0, w, rows, out)
-               : panel_product<1>(a, padded, blocks, stored, next, g0, w, rows, out);
-      } else {
-        panel.resize(blocks * 2 * kTileBytes / 2);
-        const auto dequantized = [&](int64_t b) { return panel.data() + b * n * kTileBytes / 2; };  // its n tiles
-        const auto dequantize = [&](int64_t b) {
-          PairWriter put;
-          for (int64_t j = 0; j < n; ++j) {
-            put.tile = dequantized(b) + j * kTileBytes / 2;
-            dequantize_block<BITS, SUB, S>(w, g0 + j, b, put);
-          }
-          return dequantized(b);
-        };
-        if (!one_pass)
-          for (int64_t b = 0; b < blocks; ++b) dequantize(b);
-        const int64_t next = kTileBytes / 2;
-        if (n == 2) {
-          one_pass ? panel_product<2>(a, padded, blocks, dequantize, next, g0, w, rows, out)
-                   : panel_product<2>(a, padded, blocks, dequantized, next, g0, w, rows, out);
+  // bf16 weights, nothing to dequantize: the rows go in blocks of about kRowBlockBytes of activation tiles, every
+  // panel over a block before the next, so that the block stays in cache while the weights pass (each panel over
+  // all the rows read a 2,048-row step's tiles once per panel). A quantized panel is dequantized once for all rows.
+  const int64_t row_block = BITS == 16 ? std::max<int64_t>(1, tokenmill::kRowBlockBytes / (w.in * 2 * 2 * kTile))
+                                             * 2 * kTile
+                                       : padded;
+  for (int64_t first = 0; first < padded; first += row_block) {
+    const int64_t block_rows = std::min(row_block, padded - first);
+    const uint16_t* a_block = a + first * w.in;
+    T* out_block = out + first * w.out;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      static const TileConfig config;
+      _tile_loadconfig(&config);
+      thread_local std::vector<uint16_t> panel;  // [blocks][groups of the panel][16 tile rows][32 bf16]
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t g0 = 2 * p, n = std::min<int64_t>(2, groups - g0);
+        if constexpr (BITS == 16) {  // the weights are the tiles
+          const uint16_t* q = reinterpret_cast<const uint16_t*>(w.q) + g0 * blocks * kTileBytes / 2;
+          const auto stored = [&](int64_t b) { return q + b * kTileBytes / 2; };
+          const int64_t next = blocks * kTileBytes / 2;
+          n == 2 ? panel_product<2>(a_block, block_rows, blocks, stored, next, g0, w, rows - first, out_block)
+                 : panel_product<1>(a_block, block_rows, blocks, stored, next, g0, w, rows - first, out_block);
         } else {
-          one_pass ? panel_product<1>(a, padded, blocks, dequantize, next, g0, w, rows, out)
-                   : panel_product<1>(a, padded, blocks, dequantized, next, g0, w, rows, out);
+          panel.resize(blocks * 2 * kTileBytes / 2);
+          const auto dequantized = [&](int64_t b) { return panel.data() + b * n * kTileBytes / 2; };  // its n tiles
+          const auto dequantize = [&](int64_t b) {
+            PairWriter put;
+            for (int64_t j = 0; j < n; ++j) {
+              put.tile = dequantized(b) + j * kTileBytes / 2;
+              dequantize_block<BITS, SUB, S>(w, g0 + j, b, put);
+            }
+            return dequantized(b);
+          };
+          if (!one_pass)
+            for (int64_t b = 0; b < blocks; ++b) dequantize(b);
+          const int64_t next = kTileBytes / 2;
+          if (n == 2) {
+            one_pass ? panel_product<2>(a, padded, blocks, dequantize, next, g0, w, rows, out)
+                     : panel_product<2>(a, padded, blocks, dequantized, next, g0, w, rows, out);
+          } else {
+            one_pass ? panel_product<1>(a, padded, blocks, dequantize, next, g0, w, rows, out)
+                     : panel_product<1>(a, padded, blocks, dequantized, next, g0, w, rows, out);
+          }
         }
       }
-    }
-    _tile_release();
-  });
+      _tile_release();
+    });
+  }
 }
 #endif
 

@@ -92,7 +92,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def weight_bytes(model: CausalLM) -> tuple[int, int]:
-    """What the weights (and tables) hold in memory, quantized and dense, each tensor counted once."""
+    """What the weights (and tables) hold in memory, in the kernels' layouts (quantized, or bf16 values) and dense,
+    each tensor counted once."""
     seen: set[int] = set()
     quantized = dense = 0
     for module in model.modules():  # type: ignore[attr-defined]
@@ -181,8 +182,8 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
     del weights
     _return_freed_memory()
     quantized_bytes, dense_bytes = weight_bytes(net)
-    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d; weights %.0f MiB quantized + %.0f MiB "
-             "dense", path.name, config.architecture, config.num_layers, torch_dtype, dev,
+    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d; weights %.0f MiB in the "
+             "kernels' layouts + %.0f MiB dense", path.name, config.architecture, config.num_layers, torch_dtype, dev,
              time.perf_counter() - started, served_len, quantized_bytes / 2**20, dense_bytes / 2**20)
     return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer,
                        chat_template=chat_template, dtype=torch_dtype, device=dev, max_model_len=served_len,
