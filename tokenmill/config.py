@@ -99,16 +99,17 @@ class EngineConfig:
     amx_from_rows: int | None = option(None, "on a CPU with AMX, a bf16 model's steps of this many rows or more "
                                              "(prefill, large batches) run the quantized matrices on AMX tiles, "
                                              "each panel of weights dequantized to bf16 in cache (0: never; default "
-                                             "24, and then no dense copies by default)")
+                                             "24, and then no dense copies by default; 1 where every matrix is bf16 "
+                                             "weights kept for the kernels, which the tiles read as they lie)")
     bf16_kernels: bool = option(True, "on CPU, a dense model's matrices of bf16 values (a bf16 model; an fp32 one of "
                                       "a bf16 checkpoint) are kept in bf16 in the layout of tokenmill's quantized "
                                       "kernels and run by them: decode steps run each layer fused, and on a CPU "
                                       "with AMX every step's matmuls run on tiles read from the weights as they lie "
                                       "(off: oneDNN's prepacked matmuls, op by op)")
-    fused_decode_layers: bool = option(True, "on CPU, decode steps with the weights kept quantized (of fewer than "
-                                             "32 rows where dense copies exist) run each decoder layer as one C++ op "
-                                             "on fp32 rows, whatever the dtype (off: one op per norm, projection, "
-                                             "RoPE, attention...)")
+    fused_decode_layers: bool = option(True, "on CPU, decode steps with the weights kept for the kernels (quantized "
+                                             "or bf16; of fewer than 32 rows where dense copies exist) run each "
+                                             "decoder layer as one C++ op on fp32 rows, whatever the dtype (off: one "
+                                             "op per norm, projection, RoPE, attention...)")
     enforce_eager: bool = option(False, "on CUDA, run decode steps op by op instead of replaying CUDA graphs (one "
                                         "per batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs, captured at "
                                         "start-up)")

@@ -248,10 +248,13 @@ def test_a_dense_bf16_model_runs_the_kernels_on_its_bf16_weights(tmp_path: Path,
         pytest.skip("no AMX tiles here")
     path = write_model(tmp_path / "m.gguf", QType.F32, bias=True, bf16_values_but="")
     exact = load_model(str(path), dtype="float32", device="cpu", fused_decode=False, bf16_kernels=False)
-    ours = load_model(str(path), dtype="bfloat16", device="cpu", tiles_from_rows=tiles)
+    ours = load_model(str(path), dtype="bfloat16", device="cpu", tiles_from_rows=tiles, dense_budget=None)
     onednn = load_model(str(path), dtype="bfloat16", device="cpu", bf16_kernels=False)
     assert set(kept_bits(ours).values()) == {16} and len(kept_bits(ours)) == 2 * 4 + 1  # 4 a layer, and the head
-    assert ours.model.model.fused_decode is not None
+    assert ours.model.model.fused_decode is not None and ours.model.model.fused_decode_below is None
+    kept = [m for m in ours.model.modules() if isinstance(m, QuantizedLinear)]
+    assert all(m.dense is None for m in kept)  # no second copy
+    assert {m.tiles_from_rows for m in kept} == {1 if tiles is None else 0}  # on AMX from one row by default
     assert not kept_bits(exact) and not kept_bits(onednn) and onednn.model.model.fused_decode is None
     runs = fused_steps(ours)
     models = (ours, onednn, exact)

@@ -98,7 +98,7 @@ def test_the_dequantize_kernel_gives_the_layouts_values(qtype: QType) -> None:
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 # The kernel takes activation rows 8 at a time (whole and partial tiles), in blocks of 256 KiB of them (1,100 rows:
-# two of 480 and one of 140).
+# three blocks, the last a partial one: 480 rows each of 544 columns, 512 of 512).
 @pytest.mark.parametrize("rows", [1, 8, 19, 1100])
 def test_the_kernel_computes_the_product(qtype: QType, rows: int) -> None:
     # The AVX-512 path takes blocks of 32 in pairs: an odd count (where the type's blocks allow) ends on a single.
@@ -343,6 +343,21 @@ def test_the_tiles_read_bf16_weights_where_they_lie(rows: int, out: int) -> None
     tiles = quantized_linear(x, weight, 1)
     assert (tiles.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert (quantized_linear(x, weight, 0).double() - expected).abs().max() > 1e-4 * expected.abs().max()
+    # a bf16 model's rows in and out as bf16: the fp32 rows' result rounded
+    assert torch.equal(quantized_linear(x.bfloat16(), weight, 1), tiles.bfloat16())
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+def test_a_malformed_bf16_weight_is_refused() -> None:
+    weight = QuantizedWeight.from_dense(bf16_matrix(16, 64))
+    x = torch.randn(1, 64)
+    for scales, shift, zero in ((torch.ones(1, 2, 16), None, 0), (weight.scales, torch.ones(1, 2, 16), 0),
+                                (weight.scales, None, 8)):
+        with pytest.raises(RuntimeError, match="bf16 weights are uint8 of 16 chunks a block"):
+            torch.ops.tokenmill.quantized_linear(x, weight.qweight, scales, shift, 32, zero, 16, 0)
+    with pytest.raises(RuntimeError, match="a matrix of no inputs"):
+        torch.ops.tokenmill.quantized_linear(x[:, :0], weight.qweight[:, :0].contiguous(), weight.scales, None, 32, 0,
+                                             16, 0)
 
 
 @needs_tiles

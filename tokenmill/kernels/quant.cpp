@@ -499,6 +499,7 @@ QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at:
               "qweight must be a contiguous [groups, blocks, chunks, 16, 4] interleaving");
   const int bits = static_cast<int>(qweight.size(2));  // chunks of 4 bytes a row's block: its bits a weight
   const int64_t groups = qweight.size(0), in = qweight.size(1) * kBlock;
+  TORCH_CHECK(in > 0, "a matrix of no inputs");
   TORCH_CHECK(out_features > (groups - 1) * kLanes && out_features <= groups * kLanes,
               "qweight's ", groups, " groups of 16 rows do not hold ", out_features, " rows");
   if (bits == 16) {

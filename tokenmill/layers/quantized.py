@@ -210,7 +210,7 @@ def bf16_linears(module: nn.Module, exact_only: bool) -> int:
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or child.in_features % 32:
+            if not isinstance(child, nn.Linear) or child.in_features % 32 or not child.in_features:
                 continue
             w = child.weight.detach()
             if exact_only and not torch.equal(w.to(torch.bfloat16).to(w.dtype), w):

@@ -144,7 +144,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
     """quantized: keep a GGUF's quantized matrices in their quantization (where the CPU's or GPU's kernels run), with
     dense copies for many-row steps where they fit dense_budget bytes (None: the default for the CPU and dtype,
     models/registry.py); without them, steps of dequantize_from_rows rows or more dequantize each matrix for its
-    matmul (0: never); fused_decode: decode steps run each layer of quantized weights as one C++ op;
+    matmul (0: never); fused_decode: decode steps run each layer of weights kept for the kernels as one C++ op;
     deterministic: batch-invariant throughout; tiles_from_rows: a bf16 model's steps of this many rows or more run
     on AMX tiles where there are any (0: never, None: the default; models/registry.py); past_trained_context: let
     max_model_len exceed the context the model was trained for (refused otherwise); bf16_kernels: on CPU, dense matrices

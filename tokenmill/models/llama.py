@@ -163,9 +163,9 @@ def fused_decode_weights(attn: Attention, mlp: nn.Module, norms: tuple[RMSNorm, 
                          ) -> tuple[list[torch.Tensor], list[int]] | None:
     """A layer's tensors as the fused decode kernel takes them (kernels/layer.cpp), and its matrices' weights per
     scale, then their zero points. norms: before attention and before the MLP; output_norms: of the attention's and
-    the MLP's outputs (Gemma 3's). None where the kernel cannot run the layer: a projection not kept quantized, q/k
-    norms over whole projections (OLMoE), experts, clipping. Its rows are fp32: a bf16 or fp16 model's norms and
-    bias are given as fp32 copies (a few KiB a layer)."""
+    the MLP's outputs (Gemma 3's). None where the kernel cannot run the layer: a projection not kept for the
+    kernels, q/k norms over whole projections (OLMoE), experts, clipping. Its rows are fp32: a bf16 or fp16 model's
+    norms and bias are given as fp32 copies (a few KiB a layer)."""
     if not isinstance(mlp, MLP) or attn.clip is not None or (attn.qk_norm and not attn.qk_norm_per_head):
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

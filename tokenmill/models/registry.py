@@ -67,10 +67,11 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
     dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none; None:
     AUTO_DENSE_BUDGET for bf16 on an AMX CPU, else none);
     dequantize_from_rows: without them, steps of this many rows or more dequantize each matrix for its matmul.
-    fused_decode: decode steps run each layer as one C++ op where the weights are kept quantized (CPU).
+    fused_decode: decode steps run each layer as one C++ op where the kernels run its weights (CPU: kept quantized,
+    or bf16 ones kept for them).
     deterministic: each row's result depends on that row alone, whatever the batch (see check_deterministic).
     tiles_from_rows: a bf16 model's steps of this many rows or more run its quantized matrices on AMX tiles where the
-    CPU has them (0: never; None: AUTO_TILES_FROM_ROWS, or AUTO_BF16_TILES_FROM_ROWS for bf16 weights).
+    CPU has them (0: never; None: AUTO_TILES_FROM_ROWS, or AUTO_BF16_TILES_FROM_ROWS where all are bf16 weights).
     bf16_kernels: on a CPU where the kernels run, dense matrices of bf16 values are kept in the kernels' 16-bit layout
     and run by them, as quantized ones are."""
     cls = MODEL_CLASSES.get(config.architecture)
@@ -94,7 +95,9 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
     else:
         quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         tiles = _use_tiles(quantized, dtype, tiles_from_rows)
-        _add_dense_copies(quantized, dtype, dense_budget, dequantize_from_rows, tiles)
+        # bf16 weights are a dense bf16 matrix already: a copy would only double them
+        _add_dense_copies([m for m in quantized if m.weight.bits < 16], dtype, dense_budget, dequantize_from_rows,
+                          tiles)
         _add_gpu_dense_copies([m for m in model.modules() if isinstance(m, GpuQuantizedLinear)], dtype,
                               dense_budget)
     if prepack and can_prepack(device, dtype):
@@ -136,11 +139,13 @@ def _use_tiles(quantized: list[QuantizedLinear], dtype: torch.dtype, tiles_from_
         if tiles_from_rows is not None:  # asked for: say why not
             log.info("AMX tiles unused: %s", why)
         return False
+    # One count for the model, as the fused decode layer takes one for its four matrices: from one row where every
+    # matrix is bf16 weights (the tiles read them as they lie), else from AUTO_TILES_FROM_ROWS.
+    bf16 = all(m.weight.bits == 16 for m in quantized)
+    rows = tiles_from_rows or (AUTO_BF16_TILES_FROM_ROWS if bf16 else AUTO_TILES_FROM_ROWS)
     for module in quantized:
-        auto = AUTO_BF16_TILES_FROM_ROWS if module.weight.bits == 16 else AUTO_TILES_FROM_ROWS
-        module.tiles_from_rows = tiles_from_rows or auto
-    for kind, rows in sorted({("bf16" if m.weight.bits == 16 else "quantized", m.tiles_from_rows) for m in quantized}):
-        log.info("steps of %d rows or more run the %s matrices on AMX tiles (bf16)", rows, kind)
+        module.tiles_from_rows = rows
+    log.info("steps of %d rows or more run the %s matrices on AMX tiles (bf16)", rows, "bf16" if bf16 else "kept")
     return True
 
 
