@@ -142,6 +142,7 @@ def test_a_json_schema_text_format_is_followed(client: openai.OpenAI) -> None:
     ({"max_output_tokens": 10**9}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"input": [{"role": "user", "content": "weather?"}, {"type": "function_call_output", "call_id": "zzz",
                                                           "output": "sunny"}]}, "input[1].call_id"),
     ({"tool_choice": "required"}, "tool_choice"),

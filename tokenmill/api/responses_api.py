@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 
 from tokenmill.api.errors import validation_fault
 from tokenmill.api.protocol import ChatCompletionRequest, RequestModel, no_effect, refused
@@ -84,6 +84,17 @@ class ResponsesRequest(RequestModel):
     moderation: dict[str, Any] | None = refused(why="this server has no moderation")
     access_programs: dict[str, Any] | None = refused(why="not applicable to a self-hosted server")
     cyber: str | None = refused(why="not applicable to a self-hosted server")
+
+    @field_validator("text", mode="wrap")
+    @classmethod
+    def _text_params(cls, text: Any, handler: ValidatorFunctionWrapHandler) -> TextConfig | None:
+        """A fault inside text (a refused text.verbosity) named by its path from the body, not its own name."""
+        try:
+            return handler(text)
+        except RequestError as exc:
+            if exc.param is None or exc.param.startswith("text."):
+                raise
+            raise RequestError(f"text.{exc.message}", param=f"text.{exc.param}", code=exc.code) from exc
 
     @field_validator("include")
     @classmethod
