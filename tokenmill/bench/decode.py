@@ -29,7 +29,7 @@ from tokenmill.api.engine_client import EngineClient
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.kernels import gpu
-from tokenmill.layers.quantized import QuantizedLinear
+from tokenmill.layers.quantized import GpuQuantizedLinear, QuantizedLinear
 from tokenmill.loader import weight_bytes
 from tokenmill.sampling import SamplingParams
 
@@ -185,9 +185,8 @@ def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads
         asyncio.run(_streams(engine, [prompt_ids] * max(streams), 8))  # warm-up
         quantized_bytes, dense_bytes = weight_bytes(engine.runner.model)
         modules = engine.runner.model.modules()  # type: ignore[attr-defined]
-        kept = [m.weight.bits for m in modules if isinstance(m, QuantizedLinear)]
-        result: dict = {"weights": quantized_bytes + dense_bytes,
-                        "quantized": any(bits < 16 for bits in kept) or (quantized_bytes > 0 and not kept),
+        kept = [m.weight.bits for m in modules if isinstance(m, QuantizedLinear | GpuQuantizedLinear)]
+        result: dict = {"weights": quantized_bytes + dense_bytes, "quantized": any(bits < 16 for bits in kept),
                         "bf16_kernels": 16 in kept,
                         "graphs": engine.runner.graphs is not None,
                         "row_matmul": row_matmul and engine.runner.device.type == "cuda",

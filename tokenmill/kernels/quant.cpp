@@ -313,19 +313,12 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
 #endif
 }
 
-template <int BITS, int SUB, typename S>
-void group_rows(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int64_t r0, int64_t n,
-                float (*out)[kLanes]) {
-  switch (n) {
-    case 8: group_tile<BITS, SUB, S, 8>(w, g, x, r0, out); break;
-    case 7: group_tile<BITS, SUB, S, 7>(w, g, x, r0, out); break;
-    case 6: group_tile<BITS, SUB, S, 6>(w, g, x, r0, out); break;
-    case 5: group_tile<BITS, SUB, S, 5>(w, g, x, r0, out); break;
-    case 4: group_tile<BITS, SUB, S, 4>(w, g, x, r0, out); break;
-    case 3: group_tile<BITS, SUB, S, 3>(w, g, x, r0, out); break;
-    case 2: group_tile<BITS, SUB, S, 2>(w, g, x, r0, out); break;
-    default: group_tile<BITS, SUB, S, 1>(w, g, x, r0, out); break;
-  }
+
+// The bf16 value at p (2 bytes, unaligned), as fp32: exactly.
+inline float bf16_at(const uint8_t* p) {
+  at::BFloat16 v;
+  std::memcpy(&v, p, sizeof v);
+  return static_cast<float>(v);
 }
 
 // bf16 weights (16 bits): group g's 16 output rows for fp32 activation rows r0..r0+N-1, as group_tile.
@@ -363,39 +356,35 @@ void bf16_group_tile(const QuantizedMatrix& w, int64_t g, const float* x, int64_
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b)
         for (int c = 0; c < 16; ++c)
-          for (int half = 0; half < 2; ++half) {
-            uint16_t bits;
-            std::memcpy(&bits, q + (b * 16 + c) * kLanes * 4 + lane * 4 + 2 * half, sizeof bits);
-            const uint32_t widened = static_cast<uint32_t>(bits) << 16;
-            float weight;
-            std::memcpy(&weight, &widened, sizeof weight);
-            acc += weight * x[(r0 + i) * w.in + b * kBlock + tokenmill::pair_first(c) + 2 * half];
-          }
+          for (int half = 0; half < 2; ++half)
+            acc += bf16_at(q + (b * 16 + c) * kLanes * 4 + lane * 4 + 2 * half) *
+                   x[(r0 + i) * w.in + b * kBlock + tokenmill::pair_first(c) + 2 * half];
       out[i][lane] = acc;
     }
 #endif
 }
 
-void bf16_group_rows(const QuantizedMatrix& w, int64_t g, const float* x, int64_t r0, int64_t n,
-                     float (*out)[kLanes]) {
+// f(N) for n rows (1..kRowTile), N as a std::integral_constant: the group kernels take their row count as a template
+// argument, so that each row's sums stay in registers.
+template <typename F>
+void with_row_count(int64_t n, F&& f) {
   switch (n) {
-    case 8: bf16_group_tile<8>(w, g, x, r0, out); break;
-    case 7: bf16_group_tile<7>(w, g, x, r0, out); break;
-    case 6: bf16_group_tile<6>(w, g, x, r0, out); break;
-    case 5: bf16_group_tile<5>(w, g, x, r0, out); break;
-    case 4: bf16_group_tile<4>(w, g, x, r0, out); break;
-    case 3: bf16_group_tile<3>(w, g, x, r0, out); break;
-    case 2: bf16_group_tile<2>(w, g, x, r0, out); break;
-    default: bf16_group_tile<1>(w, g, x, r0, out); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
   }
 }
 
-// out[rows, w.out], groups shared among the threads: tile(g, r0, n, t) puts group g's columns of rows r0..r0+n-1
-// (n <= kRowTile) in t. Rows go in blocks of about kRowBlockBytes of activations (row_bytes a row), every group over
-// a block before the next: the block stays in cache while the weights pass. Each group over all the rows at once
-// read a 2,048-row step's activations (4.7 MiB of SmolLM2's fp32 rows) once per group, and made the bf16 kernel's
-// fp32 prefill 1.8x slower than oneDNN's.
-
+// out[rows, w.out], groups shared among the threads: tile(g, r0, N, t) puts group g's columns of rows r0..r0+N-1 in
+// t (N <= kRowTile, a std::integral_constant). Rows go in blocks of about kRowBlockBytes of activations (row_bytes a
+// row), every group over a block before the next: the block stays in cache while the weights pass. Each group over
+// all the rows at once read a 2,048-row step's activations (4.7 MiB of SmolLM2's fp32 rows) once per group, and made
+// the bf16 kernel's fp32 prefill 1.8x slower than oneDNN's.
 template <typename Tile>
 void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, float* out, Tile tile) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
@@ -408,7 +397,7 @@ void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, floa
         const int64_t valid = std::min(kLanes, w.out - g * kLanes);
         for (int64_t r0 = first; r0 < last; r0 += kRowTile) {
           const int64_t n = std::min(kRowTile, last - r0);
-          tile(g, r0, n, t);
+          with_row_count(n, [&](auto count) { tile(g, r0, count, t); });
           for (int64_t i = 0; i < n; ++i)
             std::memcpy(out + (r0 + i) * w.out + g * kLanes, t[i], valid * sizeof(float));
         }
@@ -453,11 +442,8 @@ void dequantize_rows(const QuantizedMatrix& w, T* out) {
         T* row = out + o * w.in + b * kBlock;
         if constexpr (BITS == 16) {
           for (int c = 0; c < 16; ++c)
-            for (int half = 0; half < 2; ++half) {
-              at::BFloat16 v;
-              std::memcpy(&v, at + c * kLanes * 4 + 2 * half, sizeof v);
-              row[tokenmill::pair_first(c) + 2 * half] = static_cast<T>(static_cast<float>(v));
-            }
+            for (int half = 0; half < 2; ++half)
+              row[tokenmill::pair_first(c) + 2 * half] = static_cast<T>(bf16_at(at + c * kLanes * 4 + 2 * half));
         } else {
           for (int64_t j = 0; j < kBlock; ++j) values[j] = static_cast<float>(code<BITS>(at, j) - w.zero);
           for (int64_t k = 0; k < kBlock / w.sub; ++k) {  // the block's scales (one, or two of 16 weights)
@@ -537,13 +523,13 @@ void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMa
   tokenmill::with_layout(w, [&](auto bits, auto sub, auto s) {
     constexpr int kBits = decltype(bits)::value;
     if constexpr (kBits == 16) {
-      over_groups(rows, w.in * sizeof(float), w, out, [&](int64_t g, int64_t r0, int64_t n, float (*t)[kLanes]) {
-        bf16_group_rows(w, g, x, r0, n, t);
+      over_groups(rows, w.in * sizeof(float), w, out, [&](int64_t g, int64_t r0, auto count, float (*t)[kLanes]) {
+        bf16_group_tile<decltype(count)::value>(w, g, x, r0, t);
       });
     } else {
       const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub);
-      over_groups(rows, w.in, w, out, [&](int64_t g, int64_t r0, int64_t n, float (*t)[kLanes]) {
-        group_rows<kBits, decltype(sub)::value, decltype(s)>(w, g, xq, r0, n, t);
+      over_groups(rows, w.in, w, out, [&](int64_t g, int64_t r0, auto count, float (*t)[kLanes]) {
+        group_tile<kBits, decltype(sub)::value, decltype(s), decltype(count)::value>(w, g, xq, r0, t);
       });
     }
   });

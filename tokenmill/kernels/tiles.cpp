@@ -144,7 +144,7 @@ inline __m512i bf16_words(const at::BFloat16* src) { return _mm512_loadu_si512(s
 template <typename T>
 at::Tensor activation_tiles(const T* x, int64_t rows, int64_t padded, int64_t in) {
   alignas(64) int16_t order[32];
-  for (int r = 0; r < 16; ++r) order[2 * r] = tokenmill::pair_first(r), order[2 * r + 1] = tokenmill::pair_first(r) + 2;
+  for (int r = 0; r < 16; ++r) order[2 * r] = tokenmill::pair_first(r), order[2 * r + 1] = order[2 * r] + 2;
   const __m512i perm = _mm512_load_si512(order);
   const int64_t blocks = in / kBlock;
   at::Tensor tiles = at::empty({padded * in}, at::kBFloat16);
@@ -235,7 +235,8 @@ void tile_matmul_typed(const T* x, int64_t rows, const tokenmill::QuantizedMatri
   const uint16_t* a = reinterpret_cast<const uint16_t*>(a_tiles.data_ptr());
   // bf16 weights, nothing to dequantize: the rows go in blocks of about kRowBlockBytes of activation tiles, every
   // panel over a block before the next, so that the block stays in cache while the weights pass (each panel over
-  // all the rows read a 2,048-row step's tiles once per panel). A quantized panel is dequantized once for all rows.
+  // all the rows read a 2,048-row step's tiles once per panel). A quantized panel is dequantized once for all rows:
+  // one block of them.
   const int64_t row_block = BITS == 16 ? std::max<int64_t>(1, tokenmill::kRowBlockBytes / (w.in * 2 * 2 * kTile))
                                              * 2 * kTile
                                        : padded;
@@ -249,12 +250,14 @@ void tile_matmul_typed(const T* x, int64_t rows, const tokenmill::QuantizedMatri
       thread_local std::vector<uint16_t> panel;  // [blocks][groups of the panel][16 tile rows][32 bf16]
       for (int64_t p = begin; p < end; ++p) {
         const int64_t g0 = 2 * p, n = std::min<int64_t>(2, groups - g0);
+        // the panel's products, block b's first B tile at tiles(b) and its second `next` words on
+        const auto product = [&](auto tiles, int64_t next) {
+          n == 2 ? panel_product<2>(a_block, block_rows, blocks, tiles, next, g0, w, rows - first, out_block)
+                 : panel_product<1>(a_block, block_rows, blocks, tiles, next, g0, w, rows - first, out_block);
+        };
         if constexpr (BITS == 16) {  // the weights are the tiles
           const uint16_t* q = reinterpret_cast<const uint16_t*>(w.q) + g0 * blocks * kTileBytes / 2;
-          const auto stored = [&](int64_t b) { return q + b * kTileBytes / 2; };
-          const int64_t next = blocks * kTileBytes / 2;
-          n == 2 ? panel_product<2>(a_block, block_rows, blocks, stored, next, g0, w, rows - first, out_block)
-                 : panel_product<1>(a_block, block_rows, blocks, stored, next, g0, w, rows - first, out_block);
+          product([&](int64_t b) { return q + b * kTileBytes / 2; }, blocks * kTileBytes / 2);
         } else {
           panel.resize(blocks * 2 * kTileBytes / 2);
           const auto dequantized = [&](int64_t b) { return panel.data() + b * n * kTileBytes / 2; };  // its n tiles
@@ -266,15 +269,11 @@ void tile_matmul_typed(const T* x, int64_t rows, const tokenmill::QuantizedMatri
             }
             return dequantized(b);
           };
-          if (!one_pass)
-            for (int64_t b = 0; b < blocks; ++b) dequantize(b);
-          const int64_t next = kTileBytes / 2;
-          if (n == 2) {
-            one_pass ? panel_product<2>(a, padded, blocks, dequantize, next, g0, w, rows, out)
-                     : panel_product<2>(a, padded, blocks, dequantized, next, g0, w, rows, out);
+          if (one_pass) {
+            product(dequantize, kTileBytes / 2);
           } else {
-            one_pass ? panel_product<1>(a, padded, blocks, dequantize, next, g0, w, rows, out)
-                     : panel_product<1>(a, padded, blocks, dequantized, next, g0, w, rows, out);
+            for (int64_t b = 0; b < blocks; ++b) dequantize(b);
+            product(dequantized, kTileBytes / 2);
           }
         }
       }
