@@ -233,6 +233,20 @@ def test_kv_memory_below_one_context_caps_the_context_served(tiny4k: LoadedModel
         start_engine(tiny4k, kv_cache_memory=kv_64_tokens, max_model_len=CONTEXT)
 
 
+def test_an_embedding_may_fill_the_context_a_completion_may_not(tiny4k: LoadedModel) -> None:
+    """An embedding generates nothing, so its input may be the whole served context (64 tokens here); a completion
+    needs room for one token more."""
+    with ServerThread(tiny4k, MODEL, kv_cache_memory=str(4 * 16 * 512)) as srv:
+        assert srv.engine.max_model_len == 64
+        whole = httpx.post(f"{srv.base_url}/embeddings", json={"model": MODEL, "input": [[5] * 64]}, timeout=60)
+        assert whole.status_code == 200 and whole.json()["usage"]["prompt_tokens"] == 64, whole.text
+        assert len(whole.json()["data"][0]["embedding"]) == srv.engine.hidden_size
+        for path, body in (("embeddings", {"input": [[5] * 65]}), ("completions", {"prompt": [5] * 64})):
+            error = httpx.post(f"{srv.base_url}/{path}", json={"model": MODEL, **body}, timeout=60).json()["error"]
+            assert (error["code"], error["param"]) == ("context_length_exceeded", next(iter(body))), error
+        assert_no_live_blocks(srv.engine)
+
+
 @pytest.mark.parametrize("flag", ["max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
                                   "threads"])
 def test_a_count_below_one_is_refused_at_start(tiny4k: LoadedModel, flag: str) -> None:

@@ -133,11 +133,11 @@ class EngineClient:
         """What was asked, or the rest of the context; refuses what can never fit, with the numbers. The engine
         serves no context longer than its KV memory holds, so what fits the context fits the memory."""
         limit = self.engine.max_model_len
-        room = limit - prompt_len
-        if room < 1 or (asked is not None and asked > room):
+        room, least = limit - prompt_len, 1 if asked is None else asked  # an embedding asks for 0: no output
+        if room < least:
             raise RequestError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + (asked or 1)} tokens ({prompt_len} in the prompt, {asked or 1} for the completion). "
+                f"{prompt_len + least} tokens ({prompt_len} in the prompt, {least} for the completion). "
                 f"Please reduce the length of the prompt or of the completion.",
                 param=max_tokens_param if room >= 1 else prompt_param, code="context_length_exceeded",
             )

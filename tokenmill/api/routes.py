@@ -298,7 +298,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         raise RequestError(f"dimensions: this model's embeddings have {size}", param="dimensions")
     prompts = await asyncio.to_thread(lambda: [engine.tokenizer.encode(x) if isinstance(x, str) else x
                                                for x in inputs])
-    streams = serving.client.submit(prompts, SamplingParams(max_tokens=1), prompt_param="input", embed=True)
+    streams = serving.client.submit(prompts, SamplingParams(max_tokens=0), prompt_param="input", embed=True)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
         return Response(status_code=499)
