@@ -98,6 +98,37 @@ def test_a_conversation_continues_from_its_stored_response_across_a_restart(smol
             client.responses.retrieve(one.id)
 
 
+def test_input_items_list_what_the_model_read_newest_first_in_pages(client: openai.OpenAI,
+                                                                    server: ServerThread) -> None:
+    """GET /v1/responses/{id}/input_items through the SDK: the conversation a response continues and its own input,
+    each item with an id that stays the same, a page at a time after the id of the last one seen."""
+    one = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4)
+    asked = [{"role": "user", "content": [{"type": "input_text", "text": "What is "}, {"type": "input_text",
+                                                                                       "text": "my name?"}]}]
+    two = client.responses.create(model=MODEL, input=asked, previous_response_id=one.id, max_output_tokens=4)
+    newest_first = client.responses.input_items.list(two.id)
+    assert [(item.type, item.role) for item in newest_first.data] == [("message", "user"), ("message", "assistant"),
+                                                                       ("message", "user")]
+    latest, answer, first = newest_first.data
+    assert [part.text for part in latest.content] == ["What is ", "my name?"]
+    assert answer.id == one.output[0].id and answer.content[0].text == one.output_text
+    assert first.content[0].type == "input_text" and first.content[0].text == "My name is Ada."
+    assert not newest_first.has_more and len({item.id for item in newest_first.data}) == 3
+    assert [item.id for item in client.responses.input_items.list(one.id).data] == [first.id]  # as listed before
+    oldest_first = client.responses.input_items.list(two.id, order="asc", limit=2)
+    assert [item.id for item in oldest_first.data] == [first.id, answer.id] and oldest_first.has_more
+    rest = client.responses.input_items.list(two.id, order="asc", limit=1, after=answer.id)
+    assert [item.id for item in rest.data] == [latest.id] and not rest.has_more
+    assert [item.id for item in client.responses.input_items.list(two.id, limit=1)] == \
+        [latest.id, answer.id, first.id]  # the SDK pages on by itself
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_nope"}, "after"), ({"include": ["x"]}, "include")):
+        response = httpx.get(f"{server.base_url}/responses/{two.id}/input_items", params=query)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_a_required_function_tool_is_called_and_its_output_answered(client: openai.OpenAI) -> None:
     ask = "What is the weather in Paris?"
     forced = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False, "max_output_tokens": 60}

@@ -1,5 +1,5 @@
 """The Responses store: rows survive reopening the file, the oldest go beyond the bound, and a conversation is
-rebuilt along its chain of previous responses."""
+rebuilt along its chain of previous responses, as are the input items a response read."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.api.response_store import ResponseStore
+from tokenmill.api.responses_api import listed_items
 from tokenmill.errors import RequestError
 
 
@@ -45,3 +46,28 @@ def test_the_oldest_responses_go_beyond_the_bound_and_a_chain_through_them_says_
     assert raised.value.param == "previous_response_id"
     with pytest.raises(RequestError, match="'r1' not found"):
         store.conversation("r1")
+
+
+def test_input_items_are_what_a_response_read_as_far_back_as_it_is_stored(tmp_path: Path) -> None:
+    def texts(items: list[dict]) -> list[str]:
+        return [i["content"] if i["role"] == "user" else i["content"][0]["text"] for i in items]
+
+    store = ResponseStore(tmp_path / "r.sqlite3", max_responses=2)
+    store.put(response("r1", None, "one"), [user("a")])
+    store.put(response("r2", "r1", "two"), [user("b"), user("c")])
+    assert texts(store.input_items("r2")) == ["a", "one", "b", "c"]
+    store.put(response("r3", "r2", "three"), [user("d")])  # r1 goes
+    assert texts(store.input_items("r3")) == ["b", "c", "two", "d"]
+    assert store.input_items("r1") is None
+
+
+def test_listed_items_have_ids_they_keep_and_typed_text() -> None:
+    call = {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}"}
+    given = [user("hi"), {"role": "assistant", "content": "yes"}, call,
+             {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+    listed = listed_items(given)
+    assert [i["id"].split("_")[0] for i in listed] == ["msg", "msg", "fc", "fco"] and listed[2]["id"] == "fc_1"
+    assert all(i["status"] == "completed" for i in listed)
+    assert listed[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    assert [p["type"] for p in listed[1]["content"]] == ["output_text"] and listed[1]["content"][0]["text"] == "yes"
+    assert listed_items(listed) == listed  # listing again (a stored row) keeps every id

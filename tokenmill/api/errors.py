@@ -82,7 +82,9 @@ def validation_fault(errors: Sequence[Any]) -> tuple[str | None, str]:
     for it, of the first field at fault; where every branch of a union failed on it, the branch that got furthest
     into the value says why (["hi"] for a list of objects: its item 0, not "a valid string")."""
     def path(error: Any) -> list[str]:
-        return [str(p) for p in error.get("loc", ()) if p != "body" and not _union_tag(p)]
+        loc = error.get("loc", ())
+        loc = loc[1:] if loc[:1] == ("query",) else loc  # a query parameter is named as it is (limit)
+        return [str(p) for p in loc if p != "body" and not _union_tag(p)]
 
     if not errors:
         return None, "invalid request"

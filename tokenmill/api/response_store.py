@@ -1,5 +1,6 @@
-"""Stored Responses (OpenAI's Responses API): what `previous_response_id` continues and GET/DELETE
-/v1/responses/{id} read. One SQLite file, so a conversation survives a restart; the newest `max_responses` are kept.
+"""Stored Responses (OpenAI's Responses API): what `previous_response_id` continues, GET/DELETE
+/v1/responses/{id} and GET /v1/responses/{id}/input_items read. One SQLite file, so a conversation survives a
+restart; the newest `max_responses` are kept.
 
 Each row holds the response object, the items its request added to the conversation (input) and what the model
 answered (output), and the response it continued: a conversation is rebuilt by walking that chain, so a long one
@@ -59,20 +60,36 @@ class ResponseStore:
 
     def conversation(self, response_id: str) -> list[dict[str, Any]]:
         """Every item of the conversation up to and including this response's output, oldest first."""
-        turns: list[tuple[str, str]] = []
+        turns, missing = self._chain(response_id)
+        if missing is not None:
+            what = f" (it continues {missing}, which is no longer stored)" if turns else ""
+            raise RequestError(f"Previous response with id '{response_id}' not found{what}.",
+                               param="previous_response_id")
+        return [item for input_items, output_items in turns for item in input_items + output_items]
+
+    def input_items(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The items this response's model read, oldest first: the conversation before it (as far back as it is
+        still stored) and its own input. None if the response is not stored."""
+        turns, _ = self._chain(response_id)
+        if not turns:
+            return None
+        return [item for input_items, output_items in turns[:-1] for item in input_items + output_items] + \
+            turns[-1][0]
+
+    def _chain(self, response_id: str) -> tuple[list[tuple[list, list]], str | None]:
+        """The (input items, output items) of each turn up to this response, oldest first, walking back from it
+        while the responses it continues are stored; and the id of the first one that is not (None: none)."""
+        turns: list[tuple[list, list]] = []
         at: str | None = response_id
         with self._lock:
             while at is not None:
                 row = self._db.execute("SELECT previous_id, input_items, output_items FROM responses WHERE id = ?",
                                        (at,)).fetchone()
                 if row is None:
-                    what = "" if at == response_id else f" (it continues {at}, which is no longer stored)"
-                    raise RequestError(f"Previous response with id '{response_id}' not found{what}.",
-                                       param="previous_response_id")
+                    break
                 at, input_items, output_items = row
-                turns.append((input_items, output_items))
-        return [item for input_items, output_items in reversed(turns)
-                for item in json.loads(input_items) + json.loads(output_items)]
+                turns.append((json.loads(input_items), json.loads(output_items)))
+        return turns[::-1], at
 
     def close(self) -> None:
         with self._lock:

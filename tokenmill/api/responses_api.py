@@ -99,10 +99,7 @@ class ResponsesRequest(RequestModel):
     @field_validator("include")
     @classmethod
     def _nothing_to_include(cls, include: list[str] | None) -> list[str] | None:
-        if include:
-            raise RequestError(f"include: {include[0]!r} is not supported (nothing extra can be included)",
-                               param="include")
-        return include
+        return refuse_include(include)
 
     def input_items(self) -> list[dict[str, Any]]:
         """The input as a list of items (a string is one user message)."""
@@ -201,6 +198,30 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise RequestError(f"{at}: input items of type {kind!r} are not supported (message, function_call and "
                                f"function_call_output are)", param=f"{at}.type")
     return messages
+
+
+def refuse_include(include: list[str] | None) -> list[str] | None:
+    """`include` (of a Response, or of listed input items) names extra data to add: none can be."""
+    if include:
+        raise RequestError(f"include: {include[0]!r} is not supported (nothing extra can be included)",
+                           param="include")
+    return include
+
+
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def listed_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's input items (valid ones: _messages read them) as OpenAI lists them back and the store keeps
+    them: each with an id and a status, a message's text as a typed part (output_text for the assistant's)."""
+    listed = []
+    for given in items:
+        item = {"type": "message", **given}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            item["content"] = [_text_part(item["content"]) if item["role"] == "assistant"
+                               else {"type": "input_text", "text": item["content"]}]
+        listed.append({"id": f"{_ITEM_ID_PREFIX[item['type']]}_{uuid.uuid4().hex}", "status": "completed", **item})
+    return listed
 
 
 def _required(item: dict[str, Any], key: str, at: str) -> str:

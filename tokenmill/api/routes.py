@@ -7,9 +7,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -19,7 +19,14 @@ from tokenmill.api.errors import error_response
 from tokenmill.api.guards import ServingState
 from tokenmill.api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
 from tokenmill.api.response_store import ResponseStore
-from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
+from tokenmill.api.responses_api import (
+    ResponseBuilder,
+    ResponsesRequest,
+    listed_items,
+    refuse_include,
+    response_events,
+    response_object,
+)
 from tokenmill.api.sse import sse_done, sse_event
 from tokenmill.api.tool_parsers import ToolParser, choose_parser
 from tokenmill.api.tools import check_forced_schemas, forced_call_spec, template_inputs
@@ -210,7 +217,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
 
     async def save(response: dict[str, Any]) -> None:
         if store is not None and body.store and response["status"] in ("completed", "incomplete"):
-            await asyncio.to_thread(store.put, response, items)
+            await asyncio.to_thread(store.put, response, listed_items(items))
 
     if body.stream:
         async def events() -> AsyncIterator[dict[str, Any]]:
@@ -240,6 +247,30 @@ async def get_response(response_id: str, request: Request) -> dict[str, Any]:
     if found is None:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     return found
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, after: str | None = None,
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc",
+                           include: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
+    """The items the response's model read (the conversation it continues, then its own input), a page of them as
+    OpenAI pages lists: `limit` items after the one named `after`, newest first unless `order` is asc."""
+    refuse_include(include)
+    items = await asyncio.to_thread(_stored(_serving(request), response_id).input_items, response_id)
+    if items is None:
+        raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
+    items = listed_items(items)  # rows stored before items were kept listed get ids (new ones each time)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), None)
+        if start is None:
+            raise RequestError(f"after: no input item of response '{response_id}' has the id '{after}'",
+                               param="after")
+        items = items[start:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 @router.delete("/v1/responses/{response_id}")
