@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from tokenmill.loader import load_model  # noqa: E402
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight  # noqa: E402
 from tokenmill.models import llama as llama_module  # noqa: E402
+from tokenmill.models import registry  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -291,22 +293,22 @@ def test_row_matmul_takes_one_row_of_a_dense_weight_and_up_to_8_of_a_quantized_o
 
 
 def test_a_quantized_linear_on_the_gpu_runs_few_rows_in_row_matmul_and_more_on_its_dequantized_matrix(
-        monkeypatch) -> None:
+        monkeypatch, device: str) -> None:
     """Up to 8 rows: row_matmul on the quantized weights; 9: the matrix dequantized for the matmul, or the dense copy
     where there is one (no kernel at all)."""
     launched = count_gpu_kernels(monkeypatch)
     weight = quantized(QType.Q4_K, 24, 256)
     bias = torch.randn(24)
-    layer = GpuQuantizedLinear(weight.gpu_rows(torch.device("cpu")), bias)
+    layer = GpuQuantizedLinear(weight.gpu_rows(torch.device(device)), bias.to(device))
     x = torch.randn(9, 256)
     expected = x @ weight.dequantize().T + bias
     for rows, kernel in ((8, "row_matmul"), (9, "dequantize")):
         launched.clear()
-        torch.testing.assert_close(layer(x[:rows]), expected[:rows], atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(layer(x[:rows].to(device)).cpu(), expected[:rows], atol=1e-4, rtol=1e-5)
         assert launched == [kernel]
-    layer.dense = linear_of(weight.dequantize(), bias)
+    layer.dense = linear_of(weight.dequantize().to(device), bias.to(device))
     launched.clear()
-    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(layer(x.to(device)).cpu(), expected, atol=1e-4, rtol=1e-5)
     assert launched == []
 
 
@@ -379,10 +381,17 @@ def test_every_kernel_runs_at_start_and_a_failing_one_falls_back_to_torch(device
         gpu.ready.cache_clear()
 
 
+def test_dense_copies_on_a_gpu_may_take_a_quarter_of_its_memory_by_default(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
+    assert registry.auto_gpu_dense_budget(torch.device("cuda", 0)) == 20 << 30
+    assert registry.auto_gpu_dense_budget(torch.device("cpu")) == 0  # the GPU's layout on the CPU's tensors
+
+
 def test_a_gguf_for_a_gpu_stays_quantized_where_the_kernels_run_and_gets_dense_copies_within_a_budget(
-        tmp_path: Path, monkeypatch, caplog) -> None:
-    """On CUDA (its decisions here, its layout on the CPU's tensors): quantized where the GPU kernels run, not for a
-    mixture of experts; without a budget no dense copies, with one every matrix has its copy."""
+        tmp_path: Path, monkeypatch, caplog, device: str) -> None:
+    """On CUDA (its decisions here; its layout on the test device, the CPU's tensors without a GPU): quantized where
+    the GPU kernels run, not for a mixture of experts; without a budget no dense copies, with one (auto's too) every
+    matrix has its copy."""
     config = load_model(str(write_tiny_gguf(tmp_path / "f.gguf")), device="cpu").config
     cuda = torch.device("cuda")
     monkeypatch.setattr(gpu, "serves", lambda device: True)
@@ -390,11 +399,13 @@ def test_a_gguf_for_a_gpu_stays_quantized_where_the_kernels_run_and_gets_dense_c
     assert not loader._keeps_quantized(cuda, dataclasses.replace(config, num_experts=4, num_experts_per_tok=2))
     monkeypatch.setattr(gpu, "serves", lambda device: False)
     assert not loader._keeps_quantized(cuda, config)
+    monkeypatch.setattr(gpu, "serves", lambda device: device.type == "cuda")
     monkeypatch.setattr(llama_module, "on_device", lambda weight, device: weight.gpu_rows(device))
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0)
-    for budget, copies in ((0, False), (2**30, True)):
+    monkeypatch.setattr(registry, "auto_gpu_dense_budget", lambda device: 2**30)  # auto (None): this
+    for budget, copies in ((0, False), (2**30, True), (None, True)):
         with caplog.at_level(logging.INFO):
-            loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=budget, prepack=False)
+            loaded = load_model(str(path), dtype="float32", device=device, dense_budget=budget, prepack=False)
         layers = [m for m in loaded.model.modules() if isinstance(m, GpuQuantizedLinear)]
         assert layers and all((m.dense is not None) == copies for m in layers)
         assert ("longer ones dequantize each matrix" in caplog.text) != copies
