@@ -91,12 +91,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def weight_bytes(model: CausalLM) -> tuple[int, int]:
-    """What the weights (and tables) hold in memory, in the kernels' layouts (quantized, or bf16 values) and dense,
-    each tensor counted once."""
+def weight_bytes(model: CausalLM | torch.nn.Module) -> tuple[int, int]:
+    """What the weights (and tables) of a model or a module hold in memory, in the kernels' layouts (quantized, or
+    bf16 values) and dense, each tensor counted once."""
     seen: set[int] = set()
     quantized = dense = 0
-    for module in model.modules():  # type: ignore[attr-defined]
+    for module in model.modules():  # type: ignore[union-attr]
         for value in (*vars(module).values(), *module._parameters.values(), *module._buffers.values()):
             if id(value) in seen or not isinstance(value, (torch.Tensor, QuantizedWeight, gpu.QuantizedRows)):
                 continue
