@@ -90,11 +90,9 @@ class EngineConfig:
     dense_weights_budget: str = option("auto", "memory that dense copies of the quantized weights may take, for "
                                                "steps of 32 rows or more (on CUDA: more than 8); beyond it (or 0) "
                                                "every step runs the quantized kernels (on CUDA, longer steps "
-                                               "dequantize each matrix for cuBLAS). auto: on CPU 0 (the kernels, and "
-                                               "AMX tiles where there are any, are as fast as dense matmuls or "
-                                               "faster), but 1GiB for bf16 on a CPU with AMX when the tiles are off; "
-                                               "on CUDA a quarter of the GPU's memory (dense steps ran 1.2-1.4x "
-                                               "faster, measured)")
+                                               "dequantize each matrix for cuBLAS). auto: 0 (the kernels, and AMX "
+                                               "tiles where there are any, are as fast as dense matmuls or faster), "
+                                               "but 1GiB for bf16 on a CPU with AMX when the tiles are off")
     dequantize_from_rows: int = option(0, "without dense copies, steps of this many rows or more (prefill chunks) "
                                           "dequantize each quantized matrix into a transient dense one for the "
                                           "matmul library (0: never; slower than the kernels wherever measured)")

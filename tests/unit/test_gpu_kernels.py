@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,7 +29,6 @@ from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from tokenmill.loader import load_model  # noqa: E402
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight  # noqa: E402
 from tokenmill.models import llama as llama_module  # noqa: E402
-from tokenmill.models import registry  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -381,17 +379,11 @@ def test_every_kernel_runs_at_start_and_a_failing_one_falls_back_to_torch(device
         gpu.ready.cache_clear()
 
 
-def test_dense_copies_on_a_gpu_may_take_a_quarter_of_its_memory_by_default(monkeypatch) -> None:
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
-    assert registry.auto_gpu_dense_budget(torch.device("cuda", 0)) == 20 << 30
-    assert registry.auto_gpu_dense_budget(torch.device("cpu")) == 0  # the GPU's layout on the CPU's tensors
-
-
 def test_a_gguf_for_a_gpu_stays_quantized_where_the_kernels_run_and_gets_dense_copies_within_a_budget(
         tmp_path: Path, monkeypatch, caplog, device: str) -> None:
     """On CUDA (its decisions here; its layout on the test device, the CPU's tensors without a GPU): quantized where
-    the GPU kernels run, not for a mixture of experts; without a budget no dense copies, with one (auto's too) every
-    matrix has its copy."""
+    the GPU kernels run, not for a mixture of experts; without a budget no dense copies, with one every matrix has its
+    copy."""
     config = load_model(str(write_tiny_gguf(tmp_path / "f.gguf")), device="cpu").config
     cuda = torch.device("cuda")
     monkeypatch.setattr(gpu, "serves", lambda device: True)
@@ -402,8 +394,7 @@ def test_a_gguf_for_a_gpu_stays_quantized_where_the_kernels_run_and_gets_dense_c
     monkeypatch.setattr(gpu, "serves", lambda device: device.type == "cuda")
     monkeypatch.setattr(llama_module, "on_device", lambda weight, device: weight.gpu_rows(device))
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0)
-    monkeypatch.setattr(registry, "auto_gpu_dense_budget", lambda device: 2**30)  # auto (None): this
-    for budget, copies in ((0, False), (2**30, True), (None, True)):
+    for budget, copies in ((0, False), (2**30, True)):
         with caplog.at_level(logging.INFO):
             loaded = load_model(str(path), dtype="float32", device=device, dense_budget=budget, prepack=False)
         layers = [m for m in loaded.model.modules() if isinstance(m, GpuQuantizedLinear)]

@@ -176,36 +176,20 @@ def _add_dense_copies(quantized: list[QuantizedLinear], dtype: torch.dtype, budg
              needed >> 20)
 
 
-# On a GPU, dense copies by default where they take at most this share of its memory. Measured on an H100 (Q4_1
-# GGUFs, bf16, graphs), steps of more than 8 rows ran 1.2-1.4x faster on dense matrices than dequantizing each
-# matrix every step (32 streams: 8,408 -> 11,417 tok/s for a 1.1B model, 12,948 -> 17,946 for a 135M one), while
-# row_matmul's steps of up to 8 rows ran as fast on the quantized weights as on dense ones.
-GPU_DENSE_SHARE = 0.25
-
-
 def _add_gpu_dense_copies(quantized: list[GpuQuantizedLinear], dtype: torch.dtype, budget: int | None) -> None:
-    """On a GPU, steps of more rows than row_matmul takes run on dense copies of the quantized matrices where the
-    budget holds them all (auto, None: GPU_DENSE_SHARE of the GPU's memory), else dequantize each matrix for
-    cuBLAS's matmul, a step at a time."""
+    """On a GPU, steps of more rows than row_matmul takes dequantize each matrix for cuBLAS's matmul, unless the
+    budget (none by default: the point of keeping them quantized is the memory) holds dense copies of them all."""
     if not quantized:
         return
     needed = _dense_bytes(quantized, dtype)
-    if needed > (auto_gpu_dense_budget(quantized[0].weight.q.device) if budget is None else budget):
+    if needed > (budget or 0):
         log.info("quantized weights on the GPU: steps of up to %d rows run row_matmul on them; longer ones dequantize "
-                 "each matrix for its matmul (dense copies would take %d MiB: --dense-weights-budget)",
-                 gpu.QUANTIZED_ROWS, needed >> 20)
+                 "each matrix for its matmul (dense copies would take %d MiB: --dense-weights-budget; or "
+                 "--no-quantized-weights, dequantized at load)", gpu.QUANTIZED_ROWS, needed >> 20)
         return
     _make_dense_copies(quantized, dtype)
     log.info("quantized weights on the GPU: steps of up to %d rows run row_matmul on them; longer ones dense copies "
              "(%d MiB)", gpu.QUANTIZED_ROWS, needed >> 20)
-
-
-def auto_gpu_dense_budget(device: torch.device) -> int:
-    """--dense-weights-budget auto for quantized weights on device: GPU_DENSE_SHARE of a CUDA GPU's memory (0 for
-    the GPU's layout on the CPU's tensors, in tests)."""
-    if device.type != "cuda":
-        return 0
-    return int(GPU_DENSE_SHARE * torch.cuda.get_device_properties(device).total_memory)
 
 
 def _dense_bytes(quantized: list[QuantizedLinear] | list[GpuQuantizedLinear], dtype: torch.dtype) -> int:
