@@ -123,6 +123,13 @@ def test_input_items_list_what_the_model_read_newest_first_in_pages(client: open
         [latest.id, answer.id, first.id]  # the SDK pages on by itself
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError) as refused:  # the SDK sends include[]=...
+        client.responses.input_items.list(two.id, include=["message.input_image.image_url"])
+    assert refused.value.body["param"] == "include"
+    with pytest.raises(openai.BadRequestError) as duplicate:  # the previous answer sent back with its id
+        client.responses.create(model=MODEL, previous_response_id=two.id, max_output_tokens=4,
+                                input=[two.output[0].model_dump(), {"role": "user", "content": "Again?"}])
+    assert "Duplicate item found" in duplicate.value.message and duplicate.value.body["param"] == "input"
     for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
                          ({"after": "msg_nope"}, "after"), ({"include": ["x"]}, "include")):
         response = httpx.get(f"{server.base_url}/responses/{two.id}/input_items", params=query)

@@ -65,21 +65,22 @@ class ResponseStore:
             what = f" (it continues {missing}, which is no longer stored)" if turns else ""
             raise RequestError(f"Previous response with id '{response_id}' not found{what}.",
                                param="previous_response_id")
-        return [item for input_items, output_items in turns for item in input_items + output_items]
+        return [item for _, input_items, output_items in turns for item in input_items + output_items]
 
-    def input_items(self, response_id: str) -> list[dict[str, Any]] | None:
-        """The items this response's model read, oldest first: the conversation before it (as far back as it is
-        still stored) and its own input. None if the response is not stored."""
+    def input_items(self, response_id: str) -> list[tuple[str, list[dict[str, Any]]]] | None:
+        """The items this response's model read, oldest first, with the id of the response each came with: the
+        conversation before it (as far back as it is still stored), then its own input. None if the response is not
+        stored."""
         turns, _ = self._chain(response_id)
         if not turns:
             return None
-        return [item for input_items, output_items in turns[:-1] for item in input_items + output_items] + \
-            turns[-1][0]
+        return [(turn_id, input_items + output_items) for turn_id, input_items, output_items in turns[:-1]] + \
+            [(turns[-1][0], turns[-1][1])]
 
-    def _chain(self, response_id: str) -> tuple[list[tuple[list, list]], str | None]:
-        """The (input items, output items) of each turn up to this response, oldest first, walking back from it
+    def _chain(self, response_id: str) -> tuple[list[tuple[str, list, list]], str | None]:
+        """The (id, input items, output items) of each turn up to this response, oldest first, walking back from it
         while the responses it continues are stored; and the id of the first one that is not (None: none)."""
-        turns: list[tuple[list, list]] = []
+        turns: list[tuple[str, list, list]] = []
         at: str | None = response_id
         with self._lock:
             while at is not None:
@@ -87,8 +88,8 @@ class ResponseStore:
                                        (at,)).fetchone()
                 if row is None:
                     break
-                at, input_items, output_items = row
-                turns.append((json.loads(input_items), json.loads(output_items)))
+                turn_id, (at, input_items, output_items) = at, row
+                turns.append((turn_id, json.loads(input_items), json.loads(output_items)))
         return turns[::-1], at
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ engine's outputs."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -211,17 +212,39 @@ def refuse_include(include: list[str] | None) -> list[str] | None:
 _ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
-def listed_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A request's input items (valid ones: _messages read them) as OpenAI lists them back and the store keeps
-    them: each with an id and a status, a message's text as a typed part (output_text for the assistant's)."""
+def listed_items(items: list[dict[str, Any]], response_id: str) -> list[dict[str, Any]]:
+    """The items a response read (valid ones: _messages read them) as OpenAI lists them back and the store keeps
+    them: each with an id (one the client gave, else one from the response's id and the item's place, so the same
+    item gets the same id whenever it is listed) and a status, a message's text in parts of OpenAI's types
+    (input_text; output_text for the assistant's)."""
     listed = []
-    for given in items:
-        item = {"type": "message", **given}
-        if item["type"] == "message" and isinstance(item.get("content"), str):
-            item["content"] = [_text_part(item["content"]) if item["role"] == "assistant"
-                               else {"type": "input_text", "text": item["content"]}]
-        listed.append({"id": f"{_ITEM_ID_PREFIX[item['type']]}_{uuid.uuid4().hex}", "status": "completed", **item})
+    for i, given in enumerate(items):
+        item = {**given, "type": given.get("type", "message")}
+        if item["type"] == "message":
+            content = item.get("content")
+            texts = [content] if isinstance(content, str) else [part["text"] for part in content or []]
+            item["content"] = [_text_part(text) if item["role"] == "assistant" else {"type": "input_text", "text": text}
+                               for text in texts]
+        if not item.get("id"):
+            digest = hashlib.sha256(f"{response_id}/{i}".encode()).hexdigest()[:32]
+            item["id"] = f"{_ITEM_ID_PREFIX[item['type']]}_{digest}"
+        item["status"] = item.get("status") or "completed"
+        listed.append(item)
     return listed
+
+
+def conversation(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stored conversation a request continues, then its own input items: refused where an item repeats one
+    already in it (a client that sends back the previous response's output along with its id), as OpenAI refuses
+    it; listed twice, the item's id would name two places."""
+    seen: set[str] = set()
+    for item in history + items:
+        item_id = item.get("id") if isinstance(item, dict) else None
+        if item_id:
+            if item_id in seen:
+                raise RequestError(f"Duplicate item found with id {item_id}.", param="input")
+            seen.add(item_id)
+    return history + items
 
 
 def _required(item: dict[str, Any], key: str, at: str) -> str:

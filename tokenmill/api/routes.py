@@ -22,6 +22,7 @@ from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.responses_api import (
     ResponseBuilder,
     ResponsesRequest,
+    conversation,
     listed_items,
     refuse_include,
     response_events,
@@ -205,7 +206,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         store.conversation, body.previous_response_id)
     items = body.input_items()
     try:
-        streams, prompt_tokens, tool_parser = await _submit_chat(serving, body.chat_request(history + items))
+        streams, prompt_tokens, tool_parser = await _submit_chat(serving, body.chat_request(conversation(history,
+                                                                                                      items)))
     except RequestError as exc:  # named as the Responses API names the field, in the param and the message
         old = exc.param or ""
         new = _RESPONSES_PARAMS.get(old, old.replace(".function.", ".", 1) if old.startswith("tools.") else old)
@@ -217,7 +219,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
 
     async def save(response: dict[str, Any]) -> None:
         if store is not None and body.store and response["status"] in ("completed", "incomplete"):
-            await asyncio.to_thread(store.put, response, listed_items(items))
+            await asyncio.to_thread(store.put, response, listed_items(items, response["id"]))
 
     if body.stream:
         async def events() -> AsyncIterator[dict[str, Any]]:
@@ -252,14 +254,17 @@ async def get_response(response_id: str, request: Request) -> dict[str, Any]:
 @router.get("/v1/responses/{response_id}/input_items")
 async def list_input_items(response_id: str, request: Request, after: str | None = None,
                            limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc",
-                           include: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
+                           include: Annotated[list[str] | None, Query()] = None,
+                           include_: Annotated[list[str] | None, Query(alias="include[]")] = None) -> dict[str, Any]:
     """The items the response's model read (the conversation it continues, then its own input), a page of them as
-    OpenAI pages lists: `limit` items after the one named `after`, newest first unless `order` is asc."""
-    refuse_include(include)
-    items = await asyncio.to_thread(_stored(_serving(request), response_id).input_items, response_id)
-    if items is None:
+    OpenAI pages lists: `limit` items after the one named `after`, newest first unless `order` is asc. (The openai
+    SDK sends a list as include[]=....)"""
+    refuse_include(include or include_)
+    turns = await asyncio.to_thread(_stored(_serving(request), response_id).input_items, response_id)
+    if turns is None:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
-    items = listed_items(items)  # rows stored before items were kept listed get ids (new ones each time)
+    # rows stored before input items were kept listed get their ids here, the same ones each time
+    items = [item for turn_id, turn in turns for item in listed_items(turn, turn_id)]
     if order == "desc":
         items.reverse()
     if after is not None:
