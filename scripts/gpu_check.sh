@@ -20,6 +20,7 @@ cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/gpu-check}}
 mkdir -p "$out" /tmp/models
 started=$SECONDS
+: > "$out/gpu.txt"  # this run's log alone
 stage() { echo "[$((SECONDS - started)) s] $*" | tee -a "$out/gpu.txt"; }
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -11,8 +11,8 @@ first stream's last), so prefill is not in it; with one stream, (tokens - 1) / (
 also times 8 prompts of 1,000 tokens (one output token each). --profile times the parts of 64 one-stream decode
 steps (schedule, the runner, sampling, update, emit; the GPU's time by CUDA events), then records 16 more with
 torch.profiler and prints the kernels a step and their time. Prints the median and range over the runs, and the
-weights' bytes read per second (each step reads every weight once; dense copies, which only steps of many rows
-read, left out) where there are runs.
+weights' bytes read per second (each step reads every weight once: the quantized weights, or their dense copies
+where a step of many rows runs on them) where there are runs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tokenmill.api.engine_client import EngineClient
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.kernels import gpu
-from tokenmill.layers.quantized import GpuQuantizedLinear, QuantizedLinear
+from tokenmill.layers.quantized import DENSE_FROM_ROWS, GpuQuantizedLinear, QuantizedLinear
 from tokenmill.loader import weight_bytes
 from tokenmill.sampling import SamplingParams
 
@@ -187,9 +187,13 @@ def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads
         modules = list(engine.runner.model.modules())  # type: ignore[attr-defined]
         linears = [m for m in modules if isinstance(m, QuantizedLinear | GpuQuantizedLinear)]
         kept = [m.weight.bits for m in linears]
-        # What a step of few rows reads: the weights, not the dense copies that only many-row steps run on
-        copies = sum(sum(weight_bytes(m.dense)) for m in linears if m.dense is not None)
-        result: dict = {"weights": sum(weight_bytes(engine.runner.model)) - copies,
+        # The bytes a step reads: a step of few rows the quantized weights, one of many their dense copies, if any
+        copies = [m.dense for m in linears if m.dense is not None]
+        copied = sum(m.weight.nbytes for m in linears if m.dense is not None)
+        total = sum(weight_bytes(engine.runner.model))
+        copies_from = gpu.QUANTIZED_ROWS + 1 if engine.runner.device.type == "cuda" else DENSE_FROM_ROWS
+        result: dict = {"weights": total - sum(sum(weight_bytes(c)) for c in copies),
+                        "weights_many": total - copied, "copies_from": copies_from,
                         "quantized": any(bits < 16 for bits in kept),
                         "bf16_kernels": 16 in kept,
                         "graphs": engine.runner.graphs is not None,
@@ -255,7 +259,8 @@ def main() -> None:
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
         for n in args.streams:
             speeds = result[n]
-            read = statistics.median(speeds) / n * result["weights"] / 1e9  # steps a second x bytes a step
+            step_bytes = result["weights_many" if n >= result["copies_from"] else "weights"]
+            read = statistics.median(speeds) / n * step_bytes / 1e9  # steps a second x bytes a step
             print(f"{dtype:<10} {mode} {n:>7} {statistics.median(speeds):>12.1f} {min(speeds):>9.1f} "
                   f"{max(speeds):>9.1f} {read:>12.1f}")
         if "prefill" in result:
