@@ -168,10 +168,15 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     a function_call_output is a tool message."""
     messages: list[dict[str, Any]] = []
     calls: set[str] = set()  # the call_ids of the function_calls so far, which an output answers
+    ids: set[str] = set()  # the items' ids so far: listed twice, an id would name two places
     for i, item in enumerate(items):
         at = f"input[{i}]"
         if not isinstance(item, dict):
             raise RequestError(f"{at}: an input item must be an object", param=at)
+        if item_id := item.get("id"):  # a client that sends back the previous answer with its id, as OpenAI refuses
+            if item_id in ids:
+                raise RequestError(f"Duplicate item found with id {item_id}.", param="input")
+            ids.add(item_id)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -231,20 +236,6 @@ def listed_items(items: list[dict[str, Any]], response_id: str) -> list[dict[str
         item["status"] = item.get("status") or "completed"
         listed.append(item)
     return listed
-
-
-def conversation(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The stored conversation a request continues, then its own input items: refused where an item repeats one
-    already in it (a client that sends back the previous response's output along with its id), as OpenAI refuses
-    it; listed twice, the item's id would name two places."""
-    seen: set[str] = set()
-    for item in history + items:
-        item_id = item.get("id") if isinstance(item, dict) else None
-        if item_id:
-            if item_id in seen:
-                raise RequestError(f"Duplicate item found with id {item_id}.", param="input")
-            seen.add(item_id)
-    return history + items
 
 
 def _required(item: dict[str, Any], key: str, at: str) -> str:

@@ -22,7 +22,6 @@ from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.responses_api import (
     ResponseBuilder,
     ResponsesRequest,
-    conversation,
     listed_items,
     refuse_include,
     response_events,
@@ -206,8 +205,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         store.conversation, body.previous_response_id)
     items = body.input_items()
     try:
-        streams, prompt_tokens, tool_parser = await _submit_chat(serving, body.chat_request(conversation(history,
-                                                                                                      items)))
+        streams, prompt_tokens, tool_parser = await _submit_chat(serving, body.chat_request(history + items))
     except RequestError as exc:  # named as the Responses API names the field, in the param and the message
         old = exc.param or ""
         new = _RESPONSES_PARAMS.get(old, old.replace(".function.", ".", 1) if old.startswith("tools.") else old)
