@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,20 @@ if DEVICE == "cpu":  # the GPU kernels' tests run in Triton's interpreter, chose
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import write_tiny_gguf  # noqa: E402
+from helpers import pretend_cpu_flags, write_tiny_gguf  # noqa: E402
 
 from tokenmill.loader import LoadedModel, load_model  # noqa: E402
 from tokenmill.loader.sources import pull  # noqa: E402
+
+UNIT = Path(__file__).parent / "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fast tier (`bash scripts/dev.sh test -m fast`, the inner loop): every module's unit tests, those marked
+    slow (a real model against transformers, a compiler's whole run) aside."""
+    for item in items:
+        if item.path.is_relative_to(UNIT) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +68,10 @@ def tiny4k_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny4k(tiny4k_gguf: Path) -> LoadedModel:
     return load_model(str(tiny4k_gguf), dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def pretend_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[str | None], None]:
+    """pretend_cpu(flags): tokenmill/cpu.py reads these /proc/cpuinfo flags (None: no such file, as off Linux), at
+    that CPU's own level."""
+    return lambda flags: pretend_cpu_flags(flags, tmp_path, monkeypatch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import subprocess
@@ -20,20 +21,21 @@ import gguf
 import httpx
 import numpy as np
 import openai
+import pytest
 import torch
 import uvicorn
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from tokenmill import cpu, kernels
 from tokenmill.api.app import create_app
 from tokenmill.api.engine_client import EngineClient, RequestStream
 from tokenmill.api.guards import ServingState
 from tokenmill.api.server import TokenmillServer, listen
-from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
+from tokenmill.bench.noise import prefill_logits as our_logits  # noqa: F401 - the tests' name for it
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
-from tokenmill.layers.attention import SequenceSlice
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
 
@@ -300,17 +302,17 @@ def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
     return asyncio.run(asyncio.wait_for(_generate(engine, prompts, params), timeout))
 
 
-def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prompt, prefilled whole on the model's device, returned on the CPU."""
-    c = loaded.config
-    spec = KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype)
-    cache = PagedKVCache(spec, loaded.device, num_blocks=len(ids) // 16 + 1, block_size=16)
-    assert cache.reserve(0, len(ids), len(ids))
-    with torch.inference_mode():
-        meta = cache.prepare([SequenceSlice(0, 0, len(ids))])
-        dev = loaded.device
-        hidden = loaded.model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), meta)
-        return loaded.model.compute_logits(hidden).cpu()
+def pretend_cpu_flags(flags: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tokenmill/cpu.py reads these /proc/cpuinfo flags (None: no such file, as off Linux) until the test ends, at that
+    CPU's own level; the kernels stay those built for the CPU that runs them."""
+    kernels.load()  # built before the flags are pretended: they key the build
+    cpuinfo = tmp_path / "cpuinfo"
+    if flags is not None:
+        cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    monkeypatch.setattr(cpu, "CPUINFO", str(cpuinfo))
+    # A cache of its own, gone with the test: the real flags' stays as it was
+    monkeypatch.setattr(cpu, "machine_flags", functools.cache(cpu.machine_flags.__wrapped__))
+    monkeypatch.delenv(cpu.ISA_ENV, raising=False)
 
 
 def assert_no_live_blocks(engine: Engine) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from tokenmill import cpu
 from tokenmill.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -159,6 +160,7 @@ class EngineConfig:
             parse_size(self.kv_cache_memory)
         if self.dense_weights_budget != "auto":
             parse_size(self.dense_weights_budget)
+        cpu.level(), cpu.auto_dtype()  # the environment's TOKENMILL_CPU_ISA and TOKENMILL_DTYPE
 
 
 @dataclass

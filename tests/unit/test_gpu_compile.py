@@ -48,6 +48,7 @@ PDL = "bfloat16, launched with PDL"
 # next kernel, else the kernel parameters whose pointers the global loads before the wait read from)
 Build = tuple[str, str, int, str, list[int] | None]
 ROW_MATMUL_WEIGHTS = {3, 4, 5}  # row_matmul's w_ptr, scales_ptr, mins_ptr
+pytestmark = pytest.mark.slow  # Triton's compiler, three processes of it
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,6 @@ import torch
 from helpers import our_logits
 from torch import nn
 
-from tokenmill.layers import linear
 from tokenmill.layers.linear import PackedLinear, can_prepack
 from tokenmill.loader import load_model, resolve_dtype
 
@@ -32,13 +32,10 @@ def test_prepacked_model_matches_the_plain_one(tiny_gguf: Path, dtype: str) -> N
 @pytest.mark.parametrize("flags,native", [("fpu avx2 avx512f avx512_bf16 avx512_vnni", True),
                                           ("fpu avx2 amx_bf16 amx_tile", True), ("fpu avx2 avx512f", False),
                                           (None, False)])
-def test_one_bf16_probe_picks_auto_dtype_and_prepacking(flags: str | None, native: bool, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_bf16_probe_picks_auto_dtype_and_prepacking(flags: str | None, native: bool,
+                                                        pretend_cpu: Callable[[str | None], None]) -> None:
     """/proc/cpuinfo's flags (None: no such file, as off Linux) decide both: bf16 where the CPU computes it."""
-    cpuinfo = tmp_path / "cpuinfo"
-    if flags is not None:
-        cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
-    monkeypatch.setattr(linear, "CPUINFO", str(cpuinfo))
+    pretend_cpu(flags)
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
     assert can_prepack(cpu, torch.bfloat16) == (native and can_prepack(cpu, torch.float32))

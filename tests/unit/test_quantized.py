@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,6 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.errors import ConfigError
-from tokenmill.layers import linear
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, PAIR_ORDER, QuantizedLinear, QuantizedWeight
 from tokenmill.loader import load_model
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES, quantized_weight
@@ -128,6 +128,23 @@ def test_the_kernel_adds_the_bias_and_keeps_bf16() -> None:
 
 
 @needs_kernels
+def test_steps_that_dequantize_the_matrix_add_the_bias_too() -> None:
+    """A Linear with a bias (Qwen2's q, k and v) in steps of dequantize_from_rows rows or more, which multiply by the
+    dequantized matrix rather than run the kernel: the bias is added there as on the kernel's path."""
+    weight = quantized_weight(random_blocks(QType.Q4_K, 16, 256), QType.Q4_K)
+    bias = 10 + torch.randn(16, generator=torch.Generator().manual_seed(1))
+    linear = QuantizedLinear(weight, bias)
+    linear.dequantize_from_rows = 8
+    for rows in (7, 8):  # the kernel's path, then the dequantized matrix's
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        without = QuantizedLinear(weight, None)
+        without.dequantize_from_rows = 8
+        assert torch.allclose(linear(x), without(x) + bias, rtol=1e-6, atol=1e-5)
+    dense = x @ weight.dequantize().T + bias
+    assert torch.allclose(linear(x), dense, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
 def test_a_row_does_not_depend_on_its_batch() -> None:
     """Each row is quantized and reduced on its own, in a fixed order: its result is the same in any batch."""
     weight = quantized_weight(random_blocks(QType.Q4_1, 64, 512), QType.Q4_1)
@@ -183,7 +200,9 @@ def test_without_kernels_a_gguf_loads_dense_with_one_log_line(tmp_path: Path, mo
                      "paths, quantized weights dequantized at load"]
     if kernels.load():  # the same numbers as the dense path with the kernels' norms
         dense = load_model(str(path), dtype="float32", device="cpu", quantized=False)
-        assert torch.allclose(plain, our_logits(dense, ids), atol=1e-4)
+        # torch's norms and RoPE against the kernels': logits of up to 13 apart by up to 1.3e-4 (measured at every
+        # level of a Zen 4: scalar's loops add in the plainest order)
+        assert torch.allclose(plain, our_logits(dense, ids), atol=3e-4)
 
 
 @serves_quantized
@@ -202,10 +221,8 @@ def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int,
 
 
 def pretend_cpu_flags(flags: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU's flags as layers/linear.py reads them: AVX2 and FMA, and these."""
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu avx2 fma {flags}\n")
-    monkeypatch.setattr(linear, "CPUINFO", str(cpuinfo))
+    """The CPU's flags as tokenmill/cpu.py reads them: AVX2 and FMA, and these (the kernels stay the build's)."""
+    helpers.pretend_cpu_flags(f"fpu avx2 fma {flags}", tmp_path, monkeypatch)
 
 
 @serves_quantized
@@ -404,7 +421,7 @@ def test_without_tiles_a_bf16_model_says_why_and_keeps_the_other_paths(tmp_path:
 @needs_kernels
 def test_a_cpu_without_avx2_gets_dense_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx")
+    monkeypatch.setattr(kernels, "has_vector_kernels", lambda: False)  # a CPU without AVX2 and FMA
     with caplog.at_level(logging.INFO):
         loaded = load_model(str(write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)),
                             dtype="float32", device="cpu")

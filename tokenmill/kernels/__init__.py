@@ -1,8 +1,9 @@
 """tokenmill's C++ CPU kernels, compiled on first use for this machine's CPU (torch.utils.cpp_extension) and cached.
 
-The build is keyed by the sources, the CPU's instruction-set flags and torch's version, so a machine of another CPU
-class (AVX2, AVX-512, ...) builds its own. Where it cannot be built (no compiler, no ninja, not Linux x86) the
-callers fall back to plain PyTorch; one log line says why.
+The build is keyed by the sources, the CPU's instruction-set flags, the level run (tokenmill/cpu.py:
+TOKENMILL_CPU_ISA) and torch's version, so a machine of another CPU class (AVX2, AVX-512, ...), or a lower level on
+this one, builds its own. Where it cannot be built (no compiler, no ninja, not Linux x86) the callers fall back to
+plain PyTorch; one log line says why.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill import cpu
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("quant.cpp", "tiles.cpp", "norm.cpp", "attention.cpp", "rope.cpp", "layer.cpp")
@@ -30,19 +33,16 @@ HEADERS = ("cpu.h",)  # in the build key, not compiled on their own
 DISABLE_ENV = "TOKENMILL_NO_KERNELS"  # set to 1: never build or load them (the fallback, for A/B and tests)
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
 def has_vector_kernels() -> bool:
     """Whether the kernels compile to their AVX2 + FMA code here; elsewhere they are plain loops, correct but slower
     than oneDNN's dense matmuls."""
-    flags = _cpu_flags().split()
-    return "avx2" in flags and "fma" in flags
+    return cpu.has_avx2()
+
+
+def built_with() -> list[str]:
+    """The instruction sets the loaded kernels were compiled for (avx2, avx512, avx512_vnni, avx512_bf16, amx): the
+    level run's, those above it turned off (tokenmill/cpu.py); none where they are not loaded."""
+    return list(torch.ops.tokenmill.built_with()) if load() else []
 
 
 def has_tiles() -> bool:
@@ -65,7 +65,8 @@ def build_directory() -> Path:
     for path in [*_sources(), *(str(resources.files(__package__) / name) for name in HEADERS)]:
         with open(path, "rb") as src:
             key.update(src.read())
-    key.update(_cpu_flags().encode())
+    key.update(" ".join(sorted(cpu.machine_flags())).encode())
+    key.update(" ".join(cpu.build_options()).encode())
     key.update(torch.__version__.encode())
     # The build's own files name the sources' paths and the venv's: another checkout or venv builds its own, rather
     # than rebuild this one each time the two take turns.
@@ -80,6 +81,7 @@ def load() -> bool:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         log.info("C++ kernels off (%s is set): plain PyTorch paths", DISABLE_ENV)
         return False
+    level = cpu.level()  # a TOKENMILL_CPU_ISA this CPU cannot run is refused (ConfigError), not a fallback
     if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
         log.info("C++ kernels not built on %s %s: plain PyTorch paths", platform.system(), platform.machine())
         return False
@@ -106,14 +108,15 @@ def load() -> bool:
                             directory)
             cpp_extension.load(
                 name=directory.name, sources=_sources(), is_python_module=False, build_directory=str(directory),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+                extra_cflags=["-O3", *cpu.build_options(), "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
             )
     except Exception as exc:  # a missing compiler or ninja, a failed build: every cause means the same fallback
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         log.warning("C++ kernels unavailable (%s): plain PyTorch paths, quantized weights dequantized at load",
                     reason[:300])
         return False
-    log.info("C++ kernels ready in %.1fs", time.perf_counter() - started)
+    log.info("C++ kernels ready in %.1fs, built for %s (%s)", time.perf_counter() - started, level.name,
+             " ".join(torch.ops.tokenmill.built_with()) or "plain loops")
     return True
 
 

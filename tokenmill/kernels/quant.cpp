@@ -45,6 +45,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "cpu.h"
@@ -535,10 +536,33 @@ void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMa
   });
 }
 
+// The instruction sets this build's code paths were compiled for, as the compiler saw them: those that
+// TOKENMILL_CPU_ISA turned off are absent (the tests check that the level asked is the level built).
+std::vector<std::string> built_with() {
+  std::vector<std::string> sets;
+#if defined(__AVX2__) && defined(__FMA__)
+  sets.emplace_back("avx2");
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+  sets.emplace_back("avx512");
+#endif
+#if defined(__AVX512VNNI__)
+  sets.emplace_back("avx512_vnni");
+#endif
+#if defined(__AVX512BF16__)
+  sets.emplace_back("avx512_bf16");
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  sets.emplace_back("amx");
+#endif
+  return sets;
+}
+
 TORCH_LIBRARY(tokenmill, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, "
         "int out_features, int tiles_from_rows=0) -> Tensor");
   m.def("tiles_available() -> bool", &tokenmill::tiles_available);
+  m.def("built_with() -> str[]", &built_with);
   m.def("dequantize(Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, int out_features, "
         "ScalarType dtype) -> Tensor");
 }

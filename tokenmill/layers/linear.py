@@ -16,35 +16,12 @@ from typing import TypeGuard
 import torch
 from torch import nn
 
+from tokenmill import cpu
 from tokenmill.kernels import gpu
 from tokenmill.layers.quantized import GpuQuantizedLinear
 
 # The row count oneDNN picks the layout for; measured: the layout chosen for 32 serves 1 to 2048 rows well.
 PACK_FOR_ROWS = 32
-CPUINFO = "/proc/cpuinfo"
-
-
-def _cpu_flags() -> list[str]:
-    try:
-        with open(CPUINFO, encoding="ascii", errors="ignore") as info:
-            return next((line.split() for line in info if line.startswith("flags")), [])
-    except OSError:  # not Linux: no way to tell cheaply, say none
-        return []
-
-
-def cpu_computes_bf16() -> bool:
-    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX): where it has not, bf16 matmuls are emulated.
-
-    The one bf16 probe: --dtype auto picks bf16 by it (loader) and bf16 weights are prepacked by it. Those CPUs all
-    have the AVX512 (BW, VL, DQ) that oneDNN's own bf16 check asks for, so what this accepts oneDNN runs.
-    """
-    flags = _cpu_flags()
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tile matmuls (Sapphire Rapids and later), which oneDNN runs bf16 matmuls on."""
-    return "amx_bf16" in _cpu_flags()
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -53,7 +30,7 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     # Private ops (inductor's CPU path uses them): a torch without them loads the plain Linears instead.
     if not all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_computes_bf16())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.computes_bf16())
 
 
 class PackedLinear(nn.Module):

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import torch
 
-from tokenmill import kernels
+from tokenmill import cpu, kernels
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.kernels import gpu
-from tokenmill.layers.linear import cpu_computes_bf16
 from tokenmill.layers.quantized import QuantizedWeight
 from tokenmill.loader import gguf as gguf_loader
 from tokenmill.loader import safetensors as st_loader
@@ -75,18 +74,21 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 where the hardware computes it natively (CUDA; CPUs with AMX or AVX512-BF16), else fp32.
+    """auto: bf16 where the hardware computes it natively (CUDA; CPUs with AMX or AVX512-BF16), else fp32; on a CPU,
+    TOKENMILL_DTYPE's where it is set (tokenmill/cpu.py).
 
     Without those instructions bf16 matmuls are emulated and slower than fp32 at batch sizes that matter (measured
     3.4x slower at 32 rows on an AVX2 CPU); with AVX512-BF16 they are 2.9x faster (see README).
     """
+    if name == "auto" and device.type == "cpu":
+        name = cpu.auto_dtype() or name
     if name != "auto":
         if name not in DTYPES:
             raise ConfigError(f"unknown dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and cpu_computes_bf16():
+    if device.type == "cpu" and cpu.computes_bf16():
         return torch.bfloat16
     return torch.float32
 
@@ -152,6 +154,8 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
     path = resolve(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if dev.type == "cpu":
+        log.info("%s", cpu.describe())
     started = time.perf_counter()
     if path.is_file():
         gguf = gguf_loader.GGUFFile(path)

@@ -8,11 +8,11 @@ from typing import Protocol
 
 import torch
 
-from tokenmill import kernels
+from tokenmill import cpu, kernels
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.kernels import gpu
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.linear import can_prepack, cpu_has_amx, linear_of
+from tokenmill.layers.linear import can_prepack, linear_of
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, GpuQuantizedLinear, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
@@ -157,7 +157,7 @@ def _add_dense_copies(quantized: list[QuantizedLinear], dtype: torch.dtype, budg
     needed = _dense_bytes(quantized, dtype)
     auto = budget is None
     if budget is None:
-        budget = AUTO_DENSE_BUDGET if dtype == torch.bfloat16 and cpu_has_amx() and not tiles else 0
+        budget = AUTO_DENSE_BUDGET if dtype == torch.bfloat16 and cpu.has_amx() and not tiles else 0
     if auto and tiles:
         why = "AMX tiles run the many-row steps (--dense-weights-budget sets them)"
     elif auto and budget == 0:

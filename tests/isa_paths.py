@@ -1,0 +1,48 @@
+"""The kernel and fidelity tests at an instruction-set level below this machine's own (tokenmill/cpu.py), each level
+in a pytest process of its own with TOKENMILL_CPU_ISA set: its kernels built without the instructions above it,
+bf16 and AMX seen as absent, PyTorch's own kernels capped alike. tests/paths/ has a test per level, so the test
+command runs every path this machine can run; the machine's own level is the rest of the suite's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenmill import cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What a level changes: the C++ kernels (each has a path per level), the dtype and weights `auto` picks, and the model
+# against transformers and against fp32 through them.
+PATH_TESTS = (
+    "tests/unit/test_cpu.py",
+    "tests/unit/test_layer_kernels.py",
+    "tests/unit/test_quantized.py",
+    "tests/unit/test_attention.py",
+    "tests/unit/test_norm.py",
+    "tests/unit/test_linear.py",
+    "tests/unit/test_batch_invariance.py",
+    "tests/model/test_fidelity.py",
+    "tests/model/test_prompt_logprobs.py",
+)
+
+
+def run_at(level: str) -> None:
+    """Run PATH_TESTS at `level`; skipped where this machine cannot run it, or where it is the machine's own."""
+    supported = cpu.supported_levels()
+    if level not in supported:
+        pytest.skip(f"this CPU runs {', '.join(supported)}, not {level}")
+    if level == supported[-1]:
+        pytest.skip(f"{level} is this machine's own level: the rest of the suite runs it")
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS")}
+    env.update({cpu.ISA_ENV: level, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-rs", "-p", "no:cacheprovider",
+                           *PATH_TESTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    print(f"{cpu.ISA_ENV}={level}: {summary}")
+    assert done.returncode == 0, f"at {level}:\n{done.stdout[-12000:]}\n{done.stderr[-3000:]}"
