@@ -41,6 +41,16 @@ TARGETS = {
     "guards": Target("tokenmill/api/guards.py", ("tests/unit/test_guards.py",)),
     "gguf": Target("tokenmill/loader/gguf.py", ("tests/unit/test_model_files.py",)),
     "chat_template": Target("tokenmill/loader/chat_template.py", ("tests/unit/test_chat_template.py",)),
+    "responses_api": Target("tokenmill/api/responses_api.py", ("tests/unit/test_responses_translation.py",
+                                                              "tests/unit/test_tools.py",
+                                                              "tests/unit/test_response_store.py")),
+    "response_store": Target("tokenmill/api/response_store.py", ("tests/unit/test_response_store.py",)),
+    "kernels": Target("tokenmill/kernels/__init__.py", ("tests/unit/test_kernel_build.py",)),
+    "spec": Target("tokenmill/engine/spec.py", ("tests/unit/test_spec.py",)),
+    "engine": Target("tokenmill/engine/engine.py", ("tests/unit/test_engine_tiny.py",
+                                                    "tests/model/test_draft_model.py")),
+    "metrics": Target("tokenmill/engine/metrics.py", ("tests/unit/test_metrics_engine.py",
+                                                    "tests/unit/test_dashboard_numbers.py")),
 }
 
 

@@ -78,19 +78,24 @@ def build_directory() -> Path:
 @functools.cache
 def load() -> bool:
     """Build (once per machine) and load the kernels as torch.ops.tokenmill.*; False where they are unavailable."""
+    return _build_and_load()
+
+
+def _build_and_load() -> bool:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         log.info("C++ kernels off (%s is set): plain PyTorch paths", DISABLE_ENV)
         return False
     level = cpu.level()  # a TOKENMILL_CPU_ISA this CPU cannot run is refused (ConfigError), not a fallback
-    if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
+    if platform.machine() != "x86_64" or platform.system() != "Linux":
         log.info("C++ kernels not built on %s %s: plain PyTorch paths", platform.system(), platform.machine())
         return False
     started = time.perf_counter()
     try:
         import ninja  # the PyPI package: its binary sits in the venv, which need not be on PATH
 
-        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
+        paths = os.environ["PATH"].split(os.pathsep) if os.environ.get("PATH") else []
+        if ninja.BIN_DIR not in paths:
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *paths])
     except ImportError:
         pass  # a system ninja, or none: verify_ninja_availability says so
     try:
