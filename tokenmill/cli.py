@@ -113,6 +113,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     from tokenmill.api.app import create_app
     from tokenmill.api.guards import ServingState
+    from tokenmill.api.response_store import open_store
     from tokenmill.api.server import TokenmillServer, listen
     from tokenmill.engine.engine import Engine
 
@@ -126,12 +127,14 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine_config.check()
     server_config.check()
     listeners = listen(server_config.host, server_config.port)
+    store = open_store(server_config)
     engine = Engine(engine_config)
     engine.start()  # loads the model on the engine thread
     model_id = server_config.served_model_name or engine_config.model
     path = engine.model_path
     state = ServingState()
-    app = create_app(engine, model_id, {engine_config.model, str(path), path.name}, server_config, state)
+    app = create_app(engine, model_id, {engine_config.model, str(path), path.name}, server_config, state,
+                     store)
     log.info("serving %s on http://%s:%d/v1", model_id, server_config.host, listeners[0].getsockname()[1])
     server = TokenmillServer(
         uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,

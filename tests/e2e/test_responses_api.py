@@ -98,6 +98,56 @@ def test_a_conversation_continues_from_its_stored_response_across_a_restart(smol
             client.responses.retrieve(one.id)
 
 
+def test_a_response_the_store_cannot_keep_is_answered_as_not_stored(smollm_served: LoadedModel,
+                                                                    tmp_path: Path) -> None:
+    """A write the store fails (here its file turned read-only; a full disk fails the same way): the answer still
+    comes, with store false, not streamed or in a stream's last event, so the client knows that GET and
+    previous_response_id will not find it; the server goes on, and stores again once it can."""
+    config = ServerConfig(responses_store=str(tmp_path / "responses.sqlite3"))
+    with ServerThread(smollm_served, MODEL, config, max_num_seqs=4) as server:
+        client = openai_client(server)
+        store = server.server.config.app.state.serving.responses
+        with store._lock:
+            store._db.execute("PRAGMA query_only = ON")
+        ask = {"model": MODEL, "input": "Name a fruit.", "max_output_tokens": 4, "temperature": 0}
+        plain = client.responses.create(**ask)
+        events = list(client.responses.create(stream=True, **ask))
+        assert plain.store is False and plain.output_text and plain.status in ("completed", "incomplete")
+        assert events[0].type == "response.created" and events[0].response.store is True  # not yet known
+        streamed = events[-1].response
+        assert events[-1].type == f"response.{plain.status}" and streamed.store is False
+        assert streamed.output_text == plain.output_text
+        for unstored in (plain.id, streamed.id):
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(unstored)
+            with pytest.raises(openai.BadRequestError):
+                client.responses.create(previous_response_id=unstored, **ask)
+        with store._lock:
+            store._db.execute("PRAGMA query_only = OFF")
+        kept = client.responses.create(**ask)
+        kept_streamed = list(client.responses.create(stream=True, **ask))[-1].response
+        assert kept.store is True and kept_streamed.store is True
+        assert client.responses.retrieve(kept.id).output_text == kept.output_text == plain.output_text
+        assert client.responses.retrieve(kept_streamed.id).store is True
+
+
+def test_a_streamed_response_that_fails_says_it_is_not_stored(client: openai.OpenAI, server: ServerThread,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model raising mid-answer: the stream ends with response.failed, whose store is false (a failed response
+    is not kept, so GET will not find it); not streamed, the same failure is a 500 error object."""
+    def broken(plan):
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(server.engine.runner, "run", broken)
+    events = list(client.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=4, stream=True))
+    monkeypatch.undo()
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed" and last.response.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(last.response.id)
+    assert client.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=4).store is True
+
+
 def test_input_items_list_what_the_model_read_newest_first_in_pages(client: openai.OpenAI,
                                                                     server: ServerThread) -> None:
     """GET /v1/responses/{id}/input_items through the SDK: the conversation a response continues and its own input,
@@ -153,12 +203,40 @@ def test_a_required_function_tool_is_called_and_its_output_answered(client: open
                   and e.item_id == d.item_id]
         assert "".join(pieces) == d.arguments
         jsonschema.validate(json.loads(d.arguments), WEATHER["parameters"])
-    follow_up = client.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=16, input=[
+    follow_up = client.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=16, temperature=0, input=[
         {"role": "user", "content": ask},
         {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 C"}])
     assert follow_up.status in ("completed", "incomplete")
     assert follow_up.usage.input_tokens > response.usage.input_tokens
+    # prompted as the same chat conversation: the call is the assistant's turn, not part of the user's
+    chat = client.chat.completions.create(model=MODEL, max_completion_tokens=16, temperature=0, messages=[
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].call_id, "type": "function", "function": {
+            "name": "get_weather", "arguments": calls[0].arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": "Sunny, 21 C"}],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}])
+    assert follow_up.usage.input_tokens == chat.usage.prompt_tokens
+    assert follow_up.output_text == (chat.choices[0].message.content or "")
+
+
+def test_a_call_cut_by_max_output_tokens_ends_incomplete_streamed_or_not(client: openai.OpenAI) -> None:
+    """The forced call runs past the token limit: the Response and its call are incomplete, max_output_tokens says
+    why, and the stream ends as the Response not streamed does, never `response.completed`."""
+    cut = {"input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required",
+           "max_output_tokens": 20, "temperature": 0}
+    plain = client.responses.create(model=MODEL, **cut)
+    events = list(client.responses.create(model=MODEL, stream=True, **cut))
+    assert events[-1].type == "response.incomplete" and not any(e.type == "response.completed" for e in events)
+    streamed = events[-1].response
+    for response in (plain, streamed):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert response.output[-1].type == "function_call" and response.output[-1].status == "incomplete"
+        assert response.output[-1].name == "get_weather" and response.usage.output_tokens == 20
+    assert [(i.type, i.status, getattr(i, "arguments", None)) for i in streamed.output] == \
+        [(i.type, i.status, getattr(i, "arguments", None)) for i in plain.output]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.status) for i in done] == [(i.type, i.status) for i in streamed.output]
 
 
 def test_a_json_schema_text_format_is_followed(client: openai.OpenAI) -> None:

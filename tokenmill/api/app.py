@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -15,24 +14,21 @@ from fastapi.middleware.cors import CORSMiddleware
 from tokenmill.api.engine_client import EngineClient
 from tokenmill.api.errors import install_error_handlers
 from tokenmill.api.guards import OPEN_ROUTES, RequestGuard, ServingState
-from tokenmill.api.response_store import ResponseStore
+from tokenmill.api.response_store import ResponseStore, open_store
 from tokenmill.api.routes import Serving, router
 from tokenmill.api.ui import ui_routes
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
-from tokenmill.loader.sources import cache_dir
 
 
 def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None, config: ServerConfig | None = None,
-               state: ServingState | None = None) -> FastAPI:
-    """`state` is shared with the server, which sets it draining on SIGTERM."""
+               state: ServingState | None = None, store: ResponseStore | None = None) -> FastAPI:
+    """`state` is shared with the server, which sets it draining on SIGTERM; `store`: the Responses store the CLI
+    opened before the model loaded (None: the one the config names, opened here)."""
     config = config or ServerConfig()
     config.check()
     state = state or ServingState()
-
-    store = None if config.responses_store == "off" else ResponseStore(
-        Path(config.responses_store) if config.responses_store else cache_dir() / "responses.sqlite3",
-        config.responses_store_max)
+    store = store if store is not None else open_store(config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -10,12 +10,17 @@ costs its length once, not once per turn.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
 
-from tokenmill.errors import RequestError
+from tokenmill.config import ServerConfig
+from tokenmill.errors import ConfigError, RequestError
+from tokenmill.loader.sources import cache_dir
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -29,25 +34,55 @@ CREATE TABLE IF NOT EXISTS responses (
 """
 
 
+def open_store(config: ServerConfig) -> ResponseStore | None:
+    """The store the settings name (None: --responses-store off); ConfigError where it cannot be one."""
+    if config.responses_store == "off":
+        return None
+    path = Path(config.responses_store) if config.responses_store else cache_dir() / "responses.sqlite3"
+    return ResponseStore(path, config.responses_store_max)
+
+
 class ResponseStore:
     def __init__(self, path: Path, max_responses: int) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """ConfigError, naming the path, where it cannot be opened as a store: a directory, a file that is not
+        SQLite, a path that cannot be created or written."""
         self.path = path
         self.max_responses = max_responses
         self._lock = threading.Lock()  # one connection, used from the event loop and worker threads
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(_SCHEMA)
+        if path.is_dir():  # SQLite would say only "unable to open database file"
+            raise ConfigError(f"--responses-store {path}: a directory, not a file")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--responses-store {path}: cannot make its folder: {exc}") from exc
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")  # the first read: a file that is not SQLite fails here
+            self._db.execute(_SCHEMA)
+            # a write of what is there, so that a file that cannot be written is refused now, not at each response
+            self._db.execute(f"PRAGMA user_version = {self._db.execute('PRAGMA user_version').fetchone()[0]}")
+        except sqlite3.Error as exc:
+            raise ConfigError(f"--responses-store {path}: cannot open it as an SQLite file: {exc}") from exc
 
-    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
-        """Keep a finished response; the oldest beyond max_responses go."""
+    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> bool:
+        """Keep a finished response; the oldest beyond max_responses go. False where it could not be kept (a full
+        disk, a file made read-only): logged, and the client is told (store: false), never a silent loss."""
         row = (response["id"], response.get("previous_response_id"), json.dumps(response),
                json.dumps(input_items), json.dumps(response["output"]))
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO responses (id, previous_id, body, input_items, output_items) "
-                             "VALUES (?, ?, ?, ?, ?)", row)
-            self._db.execute("DELETE FROM responses WHERE seq <= (SELECT MAX(seq) FROM responses) - ?",
-                             (self.max_responses,))
+            try:  # one transaction: a response is kept whole, with the bound, or not at all
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute("INSERT OR REPLACE INTO responses (id, previous_id, body, input_items, "
+                                 "output_items) VALUES (?, ?, ?, ?, ?)", row)
+                self._db.execute("DELETE FROM responses WHERE seq <= (SELECT MAX(seq) FROM responses) - ?",
+                                 (self.max_responses,))
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._db.rollback()
+                log.error("response %s not stored in %s (%s): answered with store false", response["id"],
+                          self.path, exc)
+                return False
+        return True
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         with self._lock:

@@ -248,9 +248,9 @@ def _required(item: dict[str, Any], key: str, at: str) -> str:
 # --- engine outputs -> the Response object and its events -----------------------------------------------------
 
 
-def _message_item(text: str, status: str) -> dict[str, Any]:
+def _message_item(parts: list[dict[str, Any]], status: str) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-            "content": [_text_part(text)]}
+            "content": parts}
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -266,7 +266,6 @@ class ResponseBuilder:
     """The Response object of one request, as it stands; `finish` completes it from the sequence's end."""
 
     def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int) -> None:
-        self.body = body
         self.response: dict[str, Any] = {
             "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
             "status": "in_progress", "error": None, "incomplete_details": None, "instructions": body.instructions,
@@ -321,7 +320,7 @@ def response_object(builder: ResponseBuilder, outs: list[SequenceOutput],
     content, calls = parse_tool_calls(tool_parser, text, outs[-1].finish_reason) if tool_parser else (text, [])
     calls = calls if builder.response["parallel_tool_calls"] else calls[:1]
     content = content or ""
-    output = [_message_item(content, "completed")] if content or not calls else []
+    output = [_message_item([_text_part(content)], "completed")] if content or not calls else []
     output += [_call_item(call, "completed") for call in calls]
     output[-1]["status"] = _last_item_status(outs[-1])  # the item the answer ended in, as a stream closes it
     builder.response["output"] = output
@@ -336,7 +335,7 @@ class _Events:
         self.response = response
         self.sequence_number = 0
         self.item: dict[str, Any] | None = None  # the open item (a message or a function call), while it grows
-        self.message_text = ""  # the open message's text
+        self.message_text = ""  # the open message's text (close starts the next one's)
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence_number += 1
@@ -354,9 +353,8 @@ class _Events:
     def text(self, text: str) -> list[dict[str, Any]]:
         message, events = self.item, []
         if message is None or message["type"] != "message":
-            message = {**_message_item("", "in_progress"), "content": []}
-            events += self._add(message)
-            self.message_text = ""
+            message = _message_item([], "in_progress")
+            events = self._add(message)
             events.append(self.event("response.content_part.added", item_id=message["id"],
                                      output_index=self._index(message), content_index=0, part=_text_part("")))
         self.message_text += text
@@ -365,10 +363,8 @@ class _Events:
 
     def call(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
         """The start of a new call (a delta with its name), or more of the open call's arguments."""
-        item, events = self.item, []
-        if delta.name is not None:
-            item = _call_item(ToolCall(delta.name, ""), "in_progress")
-            events += self._add(item)
+        events = self._add(_call_item(ToolCall(delta.name, ""), "in_progress")) if delta.name is not None else []
+        item = self.item
         if delta.arguments:
             assert item is not None  # a call's first delta names it, and opens its item
             item["arguments"] += delta.arguments
@@ -384,7 +380,7 @@ class _Events:
         index = self._index(item)
         item["status"] = status
         if item["type"] == "message":
-            text = self.message_text
+            text, self.message_text = self.message_text, ""
             item["content"] = [_text_part(text)]
             events = [self.event("response.output_text.done", item_id=item["id"], output_index=index,
                                  content_index=0, text=text, logprobs=[]),

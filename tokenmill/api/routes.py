@@ -216,13 +216,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     builder = ResponseBuilder(body, serving.model_id, prompt_tokens)
 
     async def save(response: dict[str, Any]) -> None:
-        if store is not None and body.store and response["status"] in ("completed", "incomplete"):
-            await asyncio.to_thread(store.put, response, listed_items(items, response["id"]))
+        """Keep a finished response where asked. One not kept (failed or cancelled, or one the store could not write:
+        a full disk) is answered with store false: never an id that GET will not find."""
+        if store is None or not body.store:
+            return
+        kept = response["status"] in ("completed", "incomplete")
+        response["store"] = kept and await asyncio.to_thread(store.put, response, listed_items(items, response["id"]))
 
     if body.stream:
         async def events() -> AsyncIterator[dict[str, Any]]:
             async for event in response_events(builder, merge(streams), tool_parser):
-                if event["type"] in ("response.completed", "response.incomplete"):
+                if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
                     await save(event["response"])
                 yield event
         return _sse_response(events(), streams, done=False)
