@@ -19,15 +19,18 @@ from helpers import pretend_cpu_flags, write_tiny_gguf  # noqa: E402
 from tokenmill.loader import LoadedModel, load_model  # noqa: E402
 from tokenmill.loader.sources import pull  # noqa: E402
 
-UNIT = Path(__file__).parent / "unit"
+UNIT, LEVELS = Path(__file__).parent / "unit", Path(__file__).parent / "paths"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fast tier (`bash scripts/dev.sh test -m fast`, the inner loop): every module's unit tests, those marked
-    slow (a real model against transformers, a compiler's whole run) aside."""
+    slow (a real model against transformers, a compiler's whole run) aside. tests/paths goes first: it reruns the
+    kernel and fidelity tests at each lower CPU level for minutes, so one worker starts it while the others take the
+    rest."""
     for item in items:
         if item.path.is_relative_to(UNIT) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.fast)
+    items.sort(key=lambda item: not item.path.is_relative_to(LEVELS))
 
 
 @pytest.fixture(scope="session")
