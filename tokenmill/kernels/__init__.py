@@ -28,8 +28,9 @@ from tokenmill import cpu
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("quant.cpp", "tiles.cpp", "norm.cpp", "attention.cpp", "rope.cpp", "layer.cpp")
-HEADERS = ("cpu.h",)  # in the build key, not compiled on their own
+SOURCES = ("quant.cpp", "ops.cpp")  # the translation units, compiled side by side
+# In the build key, not compiled on their own: ops.cpp includes the .cpp files
+HEADERS = ("cpu.h", "norm.cpp", "rope.cpp", "attention.cpp", "layer.cpp", "tiles.cpp")
 DISABLE_ENV = "TOKENMILL_NO_KERNELS"  # set to 1: never build or load them (the fallback, for A/B and tests)
 
 
