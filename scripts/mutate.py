@@ -47,8 +47,7 @@ TARGETS = {
     "response_store": Target("tokenmill/api/response_store.py", ("tests/unit/test_response_store.py",)),
     "kernels": Target("tokenmill/kernels/__init__.py", ("tests/unit/test_kernel_build.py",)),
     "spec": Target("tokenmill/engine/spec.py", ("tests/unit/test_spec.py",)),
-    "engine": Target("tokenmill/engine/engine.py", ("tests/unit/test_engine_tiny.py",
-                                                    "tests/model/test_draft_model.py")),
+    "engine": Target("tokenmill/engine/engine.py", ("tests/unit/test_engine_tiny.py",)),
     "metrics": Target("tokenmill/engine/metrics.py", ("tests/unit/test_metrics_engine.py",
                                                     "tests/unit/test_dashboard_numbers.py")),
 }

@@ -5,6 +5,8 @@ test_speculative.py)."""
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,7 @@ def test_a_draft_of_the_models_own_weights_is_always_right_and_another_changes_n
     monkeypatch.setattr(DraftModelProposer, "_step", counting)
     engine = start_engine(target)
     try:
-        plain = generate(engine, PROMPTS, greedy), generate(engine, PROMPTS, sampled)
+        plain = generate(engine, PROMPTS, greedy, timeout=10), generate(engine, PROMPTS, sampled, timeout=10)
     finally:
         engine.stop()
     for draft, rate in ((tiny_gguf, (0.99, 1.0)), (other_gguf, (0.0, 0.5))):
@@ -84,12 +86,12 @@ def test_a_draft_of_the_models_own_weights_is_always_right_and_another_changes_n
                               speculative_max_seqs=8)
         try:
             fed.clear()
-            assert generate(engine, PROMPTS, greedy) == plain[0]
+            assert generate(engine, PROMPTS, greedy, timeout=10) == plain[0]
             accepted, proposed = counted(engine.metrics.spec_accepted_tokens), counted(engine.metrics.spec_draft_tokens)
             assert proposed > 100 and rate[0] <= accepted / proposed <= rate[1]
             if draft == tiny_gguf:  # every token of each sequence once, and the last guesses
                 assert sum(fed) <= sum(len(p) + 40 + 4 for p in PROMPTS)
-            assert generate(engine, PROMPTS, sampled) == plain[1]
+            assert generate(engine, PROMPTS, sampled, timeout=10) == plain[1]
             assert_no_live_blocks(engine)
             assert_draft_pool_free(engine)
         finally:
@@ -135,13 +137,13 @@ def test_aborted_and_preempted_draft_streams_leave_no_block_behind(target, tiny_
         engine.stop()
     plain = start_engine(target, kv_cache_memory=str(10 * 16 * 512))
     try:
-        expected = generate(plain, PROMPTS, [greedy] * len(PROMPTS))
+        expected = generate(plain, PROMPTS, [greedy] * len(PROMPTS), timeout=10)
     finally:
         plain.stop()
     engine = start_engine(target, speculative="draft", draft_model=str(tiny_gguf), dtype="float32",
                           speculative_max_seqs=8, kv_cache_memory=str(10 * 16 * 512))  # 10 blocks: they take turns
     try:
-        assert generate(engine, PROMPTS, [greedy] * len(PROMPTS)) == expected
+        assert generate(engine, PROMPTS, [greedy] * len(PROMPTS), timeout=10) == expected
         assert counted(engine.metrics.preemptions) > 0 and counted(engine.metrics.spec_accepted_tokens) > 0
         assert_no_live_blocks(engine)
         assert_draft_pool_free(engine)
@@ -154,8 +156,25 @@ def test_a_draft_must_be_named_and_share_the_vocabulary(target, tiny_gguf, smoll
         start_engine(target, speculative="draft")
     with pytest.raises(ConfigError, match="--speculative draft only"):
         start_engine(target, speculative="ngram", draft_model=str(tiny_gguf))
-    with pytest.raises(ConfigError, match="vocabulary"):
+    with pytest.raises(ConfigError, match=rf"^--draft-model {re.escape(str(smollm_path))}: its vocabulary is not the "
+                                          r"model's \(a draft's tokens must mean what the model's do\)$"):
         start_engine(target, speculative="draft", draft_model=str(smollm_path))
+
+
+def test_the_drafts_pool_holds_speculative_max_seqs_contexts_and_their_guesses(
+        tiny4k: LoadedModel, tiny4k_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """8 contexts of 4096 tokens (2048 blocks of 16) and room for each one's 20 guesses (2 blocks), said in one log
+    line; the draft proposes within the vocabulary's tokens."""
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.engine"):
+        engine = start_engine(tiny4k, speculative="draft", draft_model=str(tiny4k_gguf), dtype="float32",
+                              speculative_max_seqs=8, num_speculative_tokens=20)
+    try:
+        draft = engine.proposer
+        assert isinstance(draft, DraftModelProposer) and draft.vocab_size == 259
+        assert draft.kv_cache.pool.num_blocks == 2048 + 8 * 2
+        assert "draft model tiny.gguf: its KV pool 0.02 GiB for 33024 tokens" in caplog.messages
+    finally:
+        engine.stop()
 
 
 def test_a_draft_trained_on_a_shorter_context_still_drafts(tiny_gguf, tmp_path) -> None:
@@ -166,14 +185,18 @@ def test_a_draft_trained_on_a_shorter_context_still_drafts(tiny_gguf, tmp_path) 
     greedy = [SamplingParams(max_tokens=16, ignore_eos=True)] * 2  # at most --speculative-max-seqs, so it drafts
     plain = start_engine(target)
     try:
-        expected = generate(plain, PROMPTS[:2], greedy)
+        expected = generate(plain, PROMPTS[:2], greedy, timeout=10)
     finally:
         plain.stop()
     engine = start_engine(target, speculative="draft", draft_model=str(tiny_gguf), dtype="float32")  # 512 tokens
     try:
         assert engine.max_model_len == 1024
-        assert generate(engine, PROMPTS[:2], greedy) == expected
+        assert generate(engine, PROMPTS[:2], greedy, timeout=10) == expected
         assert counted(engine.metrics.spec_draft_tokens) > 0
+        before = counted(engine.metrics.spec_draft_tokens)
+        long = [3 + i % 200 for i in range(600)]  # past the draft's own 512 positions
+        generate(engine, [long], greedy[:1], timeout=10)
+        assert engine.proposer is not None and counted(engine.metrics.spec_draft_tokens) > before
     finally:
         engine.stop()
 
@@ -182,7 +205,7 @@ def test_a_draft_model_that_fails_turns_speculation_off_and_the_requests_go_on(t
     greedy = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 2
     engine = start_engine(target)
     try:
-        expected = generate(engine, PROMPTS[:2], greedy)
+        expected = generate(engine, PROMPTS[:2], greedy, timeout=10)
     finally:
         engine.stop()
 
@@ -192,7 +215,7 @@ def test_a_draft_model_that_fails_turns_speculation_off_and_the_requests_go_on(t
     monkeypatch.setattr(DraftModelProposer, "_step", failing)
     engine = start_engine(target, speculative="draft", draft_model=str(tiny_gguf), dtype="float32")
     try:
-        assert generate(engine, PROMPTS[:2], greedy) == expected
+        assert generate(engine, PROMPTS[:2], greedy, timeout=10) == expected
         assert engine.proposer is None and "speculation is off" in caplog.text
     finally:
         engine.stop()

@@ -111,6 +111,26 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
     assert [t for t, _ in lps[0].top] == expected.topk(3).indices.tolist()
 
 
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_logprobs_are_taken_before_temperature_filters_penalties_and_bias(temperature: float) -> None:
+    """As vLLM and the README say: a sampled token's logprob and its top alternatives' are those of the model's own
+    distribution, whatever the temperature, top-k/top-p, penalties and bias that chose it (temperature keeps the
+    order of the alternatives, so their values are compared, not only their ids)."""
+    x = logits(3)
+    seqs = [seq(0, temperature=temperature, logprobs=4, seed=1),
+            seq(1, temperature=temperature, logprobs=2, top_k=5, top_p=0.9),
+            seq(2, temperature=temperature, logprobs=3, output=[4, 4], logit_bias={4: 5.0, 9: -100.0},
+                presence_penalty=1.0, repetition_penalty=1.3)]
+    tokens, lps = new_sampler()(x.clone(), seqs)
+    expected = x.log_softmax(-1)
+    for row, (token, entry) in enumerate(zip(tokens, lps, strict=True)):
+        assert entry.token_id == token
+        assert entry.logprob == pytest.approx(expected[row, token].item(), abs=1e-5)
+        best = expected[row].topk(seqs[row].params.logprobs)
+        assert [t for t, _ in entry.top] == best.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(best.values.tolist(), abs=1e-5)
+
+
 def test_penalties_and_bias_move_the_winner() -> None:
     s = new_sampler()
     x = torch.zeros(1, VOCAB)
