@@ -33,6 +33,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: not item.path.is_relative_to(LEVELS))
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Each lower CPU level's result in the log, a line a level (tests/paths prints it; pytest shows a passing
+    test's output only when asked), or the reason a level did not run."""
+    lines = []
+    for report in (r for key in ("passed", "failed", "skipped") for r in terminalreporter.stats.get(key, [])):
+        if not report.nodeid.startswith("tests/paths/") or report.when == "teardown":
+            continue
+        lines += [text for name, text in report.sections if name.startswith("Captured stdout")]
+        if report.skipped and isinstance(report.longrepr, tuple):
+            lines.append(f"{report.nodeid}: skipped, {report.longrepr[2].removeprefix('Skipped: ')}")
+    if lines:
+        terminalreporter.section("CPU levels below this machine's own")
+        for line in lines:
+            terminalreporter.write_line(line.strip())
+
+
 @pytest.fixture(scope="session")
 def device() -> str:
     return DEVICE
