@@ -46,8 +46,10 @@ TARGETS = {
                                                               "tests/unit/test_response_store.py")),
     "response_store": Target("tokenmill/api/response_store.py", ("tests/unit/test_response_store.py",)),
     "kernels": Target("tokenmill/kernels/__init__.py", ("tests/unit/test_kernel_build.py",)),
-    "spec": Target("tokenmill/engine/spec.py", ("tests/unit/test_spec.py",)),
+    "spec": Target("tokenmill/engine/spec.py", ("tests/unit/test_spec.py", "tests/unit/test_engine_tiny.py")),
     "engine": Target("tokenmill/engine/engine.py", ("tests/unit/test_engine_tiny.py",)),
+    "output": Target("tokenmill/engine/output.py", ("tests/unit/test_engine_tiny.py",)),
+    "builder": Target("tokenmill/engine/builder.py", ("tests/unit/test_engine_tiny.py",)),
     "metrics": Target("tokenmill/engine/metrics.py", ("tests/unit/test_metrics_engine.py",
                                                     "tests/unit/test_dashboard_numbers.py")),
 }

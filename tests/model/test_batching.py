@@ -11,6 +11,7 @@ from helpers import assert_no_live_blocks, counted, generate, our_logits, start_
 from tokenmill.engine import engine as engine_module
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine import Engine
+from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import RequestError
 from tokenmill.loader import LoadedModel
@@ -152,14 +153,14 @@ def test_an_output_that_cannot_be_built_or_delivered_ends_its_sequence_alone(smo
     """An output that raises while it is built (its prompt logprobs here) ends that request with an error; a sink
     that raises (the loop of a reader that left, closed) ends its sequence unseen. Before, either stopped the
     engine loop for every request."""
-    prompt_logprobs = Engine._prompt_logprobs
+    prompt_logprobs = OutputProcessor._prompt_logprobs
 
     def failing(seq):
         if seq.params.seed == 666:
             raise RuntimeError("boom")
         return prompt_logprobs(seq)
 
-    monkeypatch.setattr(Engine, "_prompt_logprobs", staticmethod(failing))
+    monkeypatch.setattr(OutputProcessor, "_prompt_logprobs", staticmethod(failing))
     engine = start_engine(smollm)
     try:
         delivered = []

@@ -13,7 +13,7 @@ from helpers import assert_no_live_blocks, generate, save_two_layer_gemma3
 
 from tokenmill import kernels
 from tokenmill.config import EngineConfig
-from tokenmill.engine import engine as engine_module
+from tokenmill.engine import builder
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.graphs import DecodeGraphs, graph_sizes
 from tokenmill.kernels import gpu
@@ -108,19 +108,22 @@ def test_the_static_tables_are_as_wide_as_the_longest_context(tiny) -> None:
 def test_graphs_only_on_cuda_with_the_kernels_and_never_for_a_mixture_of_experts(tiny, monkeypatch) -> None:
     """A MoE layer reads each expert's token count on the host (layers/moe.py), which a graph cannot capture: its
     decode steps run op by op, as without the Triton kernels or with --enforce-eager."""
-    monkeypatch.setattr(engine_module, "DecodeGraphs", lambda *args: "graphs")
+    monkeypatch.setattr(builder, "DecodeGraphs", lambda *args: "graphs")
     ready = {"cuda": True}
     monkeypatch.setattr(gpu, "ready", lambda device: ready[device.type])
     engine = Engine(EngineConfig(max_num_seqs=4), tiny)
     engine.start()  # builds the paged pool the graphs would use
     engine.stop()
+
+    def graphs(loaded, config=engine.config):
+        return builder.decode_graphs(config, loaded, engine.kv_cache, engine.max_model_len)
+
     on_cuda = dataclasses.replace(tiny, device=torch.device("cuda"))
-    assert engine._decode_graphs(on_cuda) == "graphs"
-    assert engine._decode_graphs(tiny) is None
+    assert graphs(on_cuda) == "graphs"
+    assert graphs(tiny) is None
     moe = dataclasses.replace(tiny.config, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    assert engine._decode_graphs(dataclasses.replace(on_cuda, config=moe)) is None
+    assert graphs(dataclasses.replace(on_cuda, config=moe)) is None
     ready["cuda"] = False
-    assert engine._decode_graphs(on_cuda) is None
+    assert graphs(on_cuda) is None
     ready["cuda"] = True
-    engine.config = dataclasses.replace(engine.config, enforce_eager=True)
-    assert engine._decode_graphs(on_cuda) is None
+    assert graphs(on_cuda, dataclasses.replace(engine.config, enforce_eager=True)) is None

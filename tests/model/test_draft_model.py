@@ -165,7 +165,7 @@ def test_the_drafts_pool_holds_speculative_max_seqs_contexts_and_their_guesses(
         tiny4k: LoadedModel, tiny4k_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
     """8 contexts of 4096 tokens (2048 blocks of 16) and room for each one's 20 guesses (2 blocks), said in one log
     line; the draft proposes within the vocabulary's tokens."""
-    with caplog.at_level(logging.INFO, logger="tokenmill.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.builder"):
         engine = start_engine(tiny4k, speculative="draft", draft_model=str(tiny4k_gguf), dtype="float32",
                               speculative_max_seqs=8, num_speculative_tokens=20)
     try:

@@ -11,7 +11,7 @@ from helpers import assert_no_live_blocks, counted, start_engine, submit
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import Sequence
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import ScheduledSequence, Scheduler, TextStop
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
 
@@ -39,14 +39,19 @@ def test_a_stop_string_inside_an_accepted_run_counts_no_dropped_token_as_compute
     computed). A second request, its prompt the first's with the answer and more, reuses those blocks and answers
     as an engine that never speculated nor cached."""
     stops: list[tuple[int, int, int]] = []  # (tokens dropped, num_computed_tokens, num_tokens) after each stop
-    stop_at = Scheduler.stop_at
+    update = Scheduler.update
 
-    def recording(self: Scheduler, seq: Sequence, outputs: int) -> None:
-        before = len(seq.output_ids)
-        stop_at(self, seq, outputs)
-        stops.append((before - len(seq.output_ids), seq.num_computed_tokens, seq.num_tokens))
+    def recording(self: Scheduler, plan: list[ScheduledSequence], new_tokens: list[list[int]],
+                  text: TextStop | None = None) -> list[Sequence]:
+        sampling = [item.seq for item in plan if item.samples]
+        before = [len(seq.output_ids) for seq in sampling]
+        finished = update(self, plan, new_tokens, text)
+        for seq, n, tokens in zip(sampling, before, new_tokens, strict=True):
+            if seq in finished and seq.finish_reason == "stop":
+                stops.append((n + len(tokens) - len(seq.output_ids), seq.num_computed_tokens, seq.num_tokens))
+        return finished
 
-    monkeypatch.setattr(Scheduler, "stop_at", recording)
+    monkeypatch.setattr(Scheduler, "update", recording)
     fox = smollm.tokenizer.encode(FOX)
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     engine = start_engine(smollm, speculative="ngram")

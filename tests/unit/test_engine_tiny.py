@@ -17,8 +17,11 @@ import torch
 from helpers import assert_no_live_blocks, counted, generate, start_engine
 
 from tokenmill import __version__
+from tokenmill.engine import builder as builder_module
 from tokenmill.engine import engine as engine_module
+from tokenmill.engine import output as output_module
 from tokenmill.engine.engine import Engine
+from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.request import Sequence, SequenceOutput
 from tokenmill.engine.spec import NgramProposer, SuffixCacheProposer
 from tokenmill.errors import ConfigError, ModelFormatError
@@ -161,7 +164,7 @@ def test_kv_memory_short_of_the_context_serves_what_it_holds_unless_a_context_wa
     """64 blocks of 16 tokens hold 1024 tokens of the model's 4096: a context of 1024 is served, with a warning;
     256 blocks hold it all; with --max-model-len asked for, too little memory is refused."""
     per_token = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x fp32
-    with caplog.at_level(logging.WARNING, logger="tokenmill.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="tokenmill.engine.builder"):
         for blocks, served in ((64, 1024), (256, 4096)):
             engine = start_engine(tiny4k, kv_cache_memory=str(blocks * 16 * per_token))
             try:
@@ -179,13 +182,13 @@ def test_an_engine_given_a_path_loads_it_as_its_settings_say(tiny4k_gguf: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """start() loads config.model on the engine thread, with every loading setting passed on."""
     calls = []
-    real = engine_module.load_model
+    real = builder_module.load_model
 
     def recording(*args, **kwargs):
         calls.append((args, kwargs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "load_model", recording)
+    monkeypatch.setattr(builder_module, "load_model", recording)
     threads = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     engine = Engine(engine_module.EngineConfig(model=str(tiny4k_gguf), dtype="float32", device="cpu",
@@ -448,7 +451,7 @@ def test_a_sequence_that_arrives_as_the_engine_stops_is_aborted(tiny4k: LoadedMo
 
 def test_the_runner_gets_the_decode_graphs_start_up_built(tiny4k: LoadedModel,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Engine, "_decode_graphs", lambda self, loaded: "the graphs")
+    monkeypatch.setattr(builder_module, "decode_graphs", lambda *args: "the graphs")
     engine = start_engine(tiny4k)
     engine.stop()
     assert engine.runner.graphs == "the graphs"
@@ -513,7 +516,7 @@ def test_text_that_fails_to_decode_fails_its_sequence(engine: Engine, monkeypatc
     """At its first token (still running), or at its last (the step's update had finished it with "length"): either
     way the sequence ends with an error, its neighbour untouched."""
     fails_at = {(7, 8, 9): 1, (10, 11, 12): 3}
-    make, add_token = engine_module.IncrementalDetokenizer.__init__, engine_module.IncrementalDetokenizer.add_token
+    make, add_token = output_module.IncrementalDetokenizer.__init__, output_module.IncrementalDetokenizer.add_token
 
     def marked(self, tokenizer, prompt_ids, *args, **kwargs) -> None:
         make(self, tokenizer, prompt_ids, *args, **kwargs)
@@ -525,8 +528,8 @@ def test_text_that_fails_to_decode_fails_its_sequence(engine: Engine, monkeypatc
             raise ValueError("not a token")
         add_token(self, token_id)
 
-    monkeypatch.setattr(engine_module.IncrementalDetokenizer, "__init__", marked)
-    monkeypatch.setattr(engine_module.IncrementalDetokenizer, "add_token", failing)
+    monkeypatch.setattr(output_module.IncrementalDetokenizer, "__init__", marked)
+    monkeypatch.setattr(output_module.IncrementalDetokenizer, "add_token", failing)
     good, first, last = Collector(), Collector(), Collector()
     for prompt, sink in ((PROMPT, good), ([7, 8, 9], first), ([10, 11, 12], last)):
         engine.add(prompt, greedy(max_tokens=3), sink)
@@ -546,7 +549,7 @@ def test_an_output_that_fails_to_build_ends_its_sequence_with_an_error(engine: E
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """Midway (the sequence still running) or at its last output (the update finished it): an error output in its
     place, the sequence's blocks back in the pool."""
-    output = Engine._output
+    output = OutputProcessor._output
     fails_at = {(7, 8, 9): 2, (10, 11, 12): 4}
 
     def failing(self, seq, error):
@@ -554,7 +557,7 @@ def test_an_output_that_fails_to_build_ends_its_sequence_with_an_error(engine: E
             raise RuntimeError("no output")
         return output(self, seq, error)
 
-    monkeypatch.setattr(Engine, "_output", failing)
+    monkeypatch.setattr(OutputProcessor, "_output", failing)
     good, midway, last = Collector(), Collector(), Collector()
     ids = [engine.add(prompt, greedy(max_tokens=4), sink)
            for prompt, sink in ((PROMPT, good), ([7, 8, 9], midway), ([10, 11, 12], last))]
@@ -573,7 +576,7 @@ def test_a_failed_sequence_leaves_nothing_of_its_answer_behind(tiny4k: LoadedMod
                                                                 monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """A sequence that fails at its 15th token (its step, its text, its output) is not taught to the suffix cache,
     nor is its answer's KV offered to the prefix cache: a request sharing its prompt and answer finds the prompt's
-    3 blocks only. One whose text fails after its last token (finished by max_tokens first) kept its 4 blocks."""
+    3 blocks only; also one whose text fails at the token its max_tokens ends it with."""
     engine = start_engine(tiny4k, speculative="suffix")
 
     def due(seq: Sequence) -> bool:
@@ -589,29 +592,29 @@ def test_a_failed_sequence_leaves_nothing_of_its_answer_behind(tiny4k: LoadedMod
 
         monkeypatch.setattr(engine.runner, "run", failing_step)
     elif where == "output":
-        output = Engine._output
+        output = OutputProcessor._output
 
         def failing_output(self, seq, error):
             if due(seq):
                 raise RuntimeError("no output")
             return output(self, seq, error)
 
-        monkeypatch.setattr(Engine, "_output", failing_output)
+        monkeypatch.setattr(OutputProcessor, "_output", failing_output)
     else:
-        detokenize = Engine._detokenize
+        reason = OutputProcessor.finish_reason
 
-        def failing_text(self, seq, logprob):
+        def failing_text(self, seq, token, by_id):
             if due(seq):
-                raise ValueError("not a token")
-            detokenize(self, seq, logprob)
+                monkeypatch.setattr(seq.detokenizer, "add_token", lambda token: int("not a token"))
+            return reason(self, seq, token, by_id)
 
-        monkeypatch.setattr(Engine, "_detokenize", failing_text)
+        monkeypatch.setattr(OutputProcessor, "finish_reason", failing_text)
     try:
         sink = run(engine, PROMPTS[2], greedy(max_tokens=15 if where == "text at the end" else 40))
         assert sink.last.finish_reason == "error" and len(sink.outputs) == (16 if where == "step" else 15)
         assert len(engine.proposer.index) == 0
         follow = run(engine, PROMPTS[2] + plain[2][:15] + [1], greedy(max_tokens=1))
-        assert follow.last.cached_tokens == (64 if where == "text at the end" else 48)
+        assert follow.last.cached_tokens == 48
     finally:
         engine.stop()
 
@@ -731,7 +734,7 @@ def test_an_embedding_aborted_midway_has_no_vector(tiny4k: LoadedModel, monkeypa
 def speculating(loaded: LoadedModel, oracle: Oracle, **config) -> Engine:
     """An engine whose proposals are the oracle's."""
     engine = start_engine(loaded, speculative="ngram", **config)
-    engine.proposer = oracle
+    engine.speculation.proposer = oracle
     return engine
 
 
@@ -906,7 +909,7 @@ def test_a_draft_model_is_loaded_for_the_models_context_with_a_pool_for_its_sequ
     vocabulary; a long prompt past its own context still gets proposals."""
     from tokenmill.engine.draft import DraftModelProposer
 
-    with caplog.at_level(logging.INFO, logger="tokenmill.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.builder"):
         engine = start_engine(tiny4k, speculative="draft", draft_model=str(tiny_gguf), dtype="float32",
                               speculative_max_seqs=8, num_speculative_tokens=20)
     try:
@@ -949,34 +952,33 @@ def test_cuda_graphs_are_built_on_a_gpu_with_a_paged_pool_and_the_kernels_only(
     from types import SimpleNamespace
 
     built = []
-    monkeypatch.setattr(engine_module, "DecodeGraphs", lambda *args: built.append(args) or "graphs")
+    monkeypatch.setattr(builder_module, "DecodeGraphs", lambda *args: built.append(args) or "graphs")
     ready = {"on": True}
     asked = []
-    monkeypatch.setattr(engine_module.gpu, "ready", lambda device: asked.append(device) or ready["on"])
+    monkeypatch.setattr(builder_module.gpu, "ready", lambda device: asked.append(device) or ready["on"])
 
     def loaded(device: str = "cuda", experts: int = 0) -> SimpleNamespace:
         return SimpleNamespace(device=torch.device(device), config=SimpleNamespace(num_experts=experts),
                                model="the model")
 
-    caplog.set_level(logging.INFO, logger="tokenmill.engine.engine")
-    assert engine._decode_graphs(loaded("cpu")) is None
-    assert engine._decode_graphs(loaded()) == "graphs"
+    caplog.set_level(logging.INFO, logger="tokenmill.engine.builder")
+    config, kv = engine.config, engine.kv_cache
+
+    def graphs(loaded: SimpleNamespace, config: object = config, kv: object = kv) -> object:
+        return builder_module.decode_graphs(config, loaded, kv, 4096)
+
+    assert graphs(loaded("cpu")) is None
+    assert graphs(loaded()) == "graphs"
     assert built == [("the model", engine.kv_cache, 64, 4096)] and asked == [torch.device("cuda")]
-    config = engine.config
-    engine.config = replace(config, enforce_eager=True)
-    assert engine._decode_graphs(loaded()) is None
-    engine.config = config
-    kv = engine.kv_cache
-    engine.kv_cache = object()  # not a paged pool
-    assert engine._decode_graphs(loaded()) is None
-    engine.kv_cache = kv
+    assert graphs(loaded(), config=replace(config, enforce_eager=True)) is None
+    assert graphs(loaded(), kv=object()) is None  # not a paged pool
     assert len(built) == 1 and caplog.messages == []
     ready["on"] = False
-    assert engine._decode_graphs(loaded()) is None
+    assert graphs(loaded()) is None
     assert caplog.messages == ["decode steps run op by op: CUDA graphs need the Triton kernels (kernels/gpu.py), not "
                                "here"]
     ready["on"] = True
-    assert engine._decode_graphs(loaded(experts=4)) is None and len(built) == 1
+    assert graphs(loaded(experts=4)) is None and len(built) == 1
     assert caplog.messages[1] == ("decode steps run op by op: a mixture of experts routes on the host (layers/moe.py "
                                   "reads how many tokens each expert takes), which a CUDA graph cannot hold")
 

@@ -505,6 +505,28 @@ def test_update_appends_several_tokens_up_to_the_first_that_stops() -> None:
     assert (b.output_ids, b.finish_reason) == ([9, 4, 4], "length")
 
 
+def test_a_stop_inside_an_accepted_run_keeps_the_tokens_up_to_it_and_their_kv() -> None:
+    """Each token appended is put to the output side (text: a stop string), with the reason its id gives; the token
+    that ends a sequence is its last, and as an accepted proposal its KV, computed this step, counts; the sample
+    after the proposals is computed by the next step."""
+    sched = Scheduler(EngineConfig(), PagedKVCache(TINY, CPU, 100, BLOCK), max_model_len=100, eos_token_ids={7})
+    a, b, c, d = decoding(sched, {}, {}, {"max_tokens": 4}, {})
+    a.draft, b.draft, c.draft, d.draft = [3, 7, 5], [3, 3, 5], [4, 4, 4], [2, 2]
+    said = []
+
+    def text(seq: Sequence, token: int, reason: str | None) -> str | None:
+        said.append((seq.seq_id - a.seq_id, token, reason))
+        return "stop" if seq is b and len(seq.output_ids) == 3 else reason
+
+    plan = sched.schedule()
+    assert sched.update(plan, [[3, 7, 5, 6], [3, 3, 5, 6], [4, 4, 4, 4], [2, 8]], text) == [a, b, c]
+    assert [(s.output_ids, s.finish_reason) for s in (a, b, c, d)] == [
+        ([9, 3, 7], "stop"), ([9, 3, 3], "stop"), ([9, 4, 4, 4], "length"), ([9, 2, 8], None)]
+    assert [s.num_tokens - s.num_computed_tokens for s in (a, b, c, d)] == [0, 0, 0, 1]
+    assert said == [(0, 3, None), (0, 7, "stop"), (1, 3, None), (1, 3, None), (2, 4, None), (2, 4, None),
+                    (2, 4, "length"), (3, 2, None), (3, 8, None)]
+
+
 def embedding(seq_id: int, prompt: list[int], pooling: str) -> Sequence:
     seq = make(seq_id, 0, prompt=prompt, max_tokens=1)
     seq.pooling = pooling

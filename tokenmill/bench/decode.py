@@ -74,7 +74,7 @@ class _StepProbe:
     (its CPU ops are recorded per thread, and the kernels a step are counted from it)."""
 
     PARTS = (("schedule", "scheduler", "schedule"), ("run", "runner", "run"), ("sample", None, "sampler"),
-             ("update", "scheduler", "update"), ("emit", None, "_emit"))
+             ("update", "scheduler", "update"), ("emit", "output", "emit"))
 
     def __init__(self, engine: Engine, timed_steps: int, profiled_steps: int) -> None:
         self.timed_steps, self.profiled_steps = timed_steps, profiled_steps

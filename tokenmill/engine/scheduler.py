@@ -52,6 +52,12 @@ class _Budget:
     long: float | None
 
 
+class TextStop(Protocol):
+    def __call__(self, seq: Sequence, token: int, reason: str | None) -> str | None:
+        """The reason `token`, just appended to seq, ends it, given `reason`, the one its id alone gives."""
+        ...
+
+
 class KVReserver(Protocol):
     """What the scheduler needs from KV memory."""
 
@@ -244,12 +250,14 @@ class Scheduler:
 
     # --- recording a step -------------------------------------------------------------------------------
 
-    def update(self, plan: list[ScheduledSequence], new_tokens: list[list[int]]) -> list[Sequence]:
+    def update(self, plan: list[ScheduledSequence], new_tokens: list[list[int]],
+               text: TextStop | None = None) -> list[Sequence]:
         """Record a step that ran: progress for every planned sequence (an embedding whose prompt is done
         finishes), then the sampled tokens (new_tokens[i] for the i-th sampling item of the plan), appended up to
-        the first that finishes its sequence, whose KV is then freed. Returns the sequences that finished. Several
-        tokens: a speculative step's accepted proposals and the sample after them; the rejected proposals' KV is
-        past num_computed_tokens, so it is overwritten and never cached."""
+        the first that finishes its sequence, whose KV is then freed. text: the output side's word on each token
+        appended (a stop string), which ends the sequence there, the step's later tokens never kept. Returns the
+        sequences that finished. Several tokens: a speculative step's accepted proposals and the sample after them;
+        the rejected proposals' KV is past num_computed_tokens, so it is overwritten and never cached."""
         if self.isolated and plan and plan[0].seq is self.isolated[0]:
             self.isolated.popleft()
         finished = []
@@ -267,28 +275,19 @@ class Scheduler:
         for item, tokens in zip([item for item in plan if item.samples], new_tokens, strict=True):
             seq = item.seq
             for i, token in enumerate(tokens):
-                if i:  # the token before it was an accepted proposal: its KV, computed this step, stands
-                    seq.num_computed_tokens += 1
                 seq.output_ids.append(token)
+                if i < len(tokens) - 1:  # an accepted proposal: its KV, computed this step, stands
+                    seq.num_computed_tokens += 1
                 if seq.grammar is not None:
                     seq.grammar.accept(token)  # the sampler's mask allowed it
                 reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+                if text is not None:
+                    reason = text(seq, token, reason)
                 if reason is not None:
                     self.finish(seq, reason)
                     finished.append(seq)
                     break
         return finished
-
-    def stop_at(self, seq: Sequence, outputs: int) -> None:
-        """A stop string ends the sequence after its first `outputs` tokens: later ones of the same step (a
-        speculative step's accepted proposals, whose text came after the stop) are dropped, as if never sampled.
-        The string outranks a limit or an end token that a later token of the step hit."""
-        del seq.output_ids[outputs:]
-        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-        if seq.status == Status.FINISHED:
-            seq.finish_reason = "stop"
-        else:
-            self.finish(seq, "stop")
 
     def isolate(self, seqs: list[Sequence]) -> None:
         """After a failed batch: drop the sequences' KV and rerun each alone, to fail only the one that raises."""
@@ -298,8 +297,9 @@ class Scheduler:
             self.isolated.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a sequence (done, aborted or failed) and give back its KV memory; idempotent."""
-        if seq.status == Status.FINISHED:
+        """Retire a sequence (done, aborted or failed) and give back its KV memory; the one place a finish reason
+        is set. Idempotent, but for an error: a finished sequence whose last output then failed ends with that."""
+        if seq.status == Status.FINISHED and reason != "error":
             return
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
@@ -307,7 +307,7 @@ class Scheduler:
                 self.kv.free(seq.seq_id)  # a failed step's KV is not trusted: not offered to the prefix cache
             else:
                 self._release(seq)
-        else:
+        elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
         if seq in self.isolated:
             self.isolated.remove(seq)

@@ -1,6 +1,7 @@
-"""Speculative decoding's proposers: tokens guessed to follow a sequence, which the next step checks all at once
-(the scheduler runs them after the decode token, the sampler's verify keeps those the model would have sampled).
-Here the lookups in tokens already seen (prompt lookup, the suffix cache); a draft model's: engine/draft.py.
+"""Speculative decoding: the policy (which sequences get proposals, when they pause) and the proposers, tokens
+guessed to follow a sequence, which the next step checks all at once (the scheduler runs them after the decode
+token, the sampler's verify keeps those the model would have sampled). Here the lookups in tokens already seen
+(prompt lookup, the suffix cache); a draft model's: engine/draft.py.
 
 A decode step reads every weight to produce one token per sequence; checking k proposals in the same forward
 costs little more, so when the guesses are often right (answers that copy from the prompt or repeat themselves)
@@ -9,15 +10,22 @@ one stream gains several tokens a step.
 
 from __future__ import annotations
 
+import itertools
+import logging
+import traceback
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +69,50 @@ class Proposer(Protocol):
     def finish(self, seq: Sequence) -> None:
         """seq has finished: what it holds is let go, what it taught is kept for later sequences."""
         ...
+
+
+class Speculation:
+    """The policy around a proposer: which sequences get proposals each step and how many, their acceptance
+    recorded (AcceptanceGate), and a proposer that fails let go (proposals only ever save time)."""
+
+    def __init__(self, proposer: Proposer | None, config: EngineConfig, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.gate = AcceptanceGate()
+        self.num_tokens = config.num_speculative_tokens
+        self.max_seqs = config.speculative_max_seqs
+        self.max_model_len = max_model_len
+
+    def propose(self, running: list[Sequence], waiting: Iterable[Sequence]) -> None:
+        """A proposal for each decoding sequence (none with a grammar, whose masks follow accepted tokens only;
+        none while its proposals fail), at most what its max_tokens and the context leave room for; none at all
+        while more sequences than speculative_max_seqs decode."""
+        if self.proposer is None:
+            return
+        decoding = [s for s in running if s.decoding and s.grammar is None and s.pooling is None]
+        going = len([s for s in running if s.decoding]) <= self.max_seqs
+        for seq in itertools.chain(running, waiting):
+            seq.draft = []
+        asking = [seq for seq in (decoding if going else []) if self.gate.allows(seq)]
+        ks = [min(self.num_tokens, seq.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens)
+              for seq in asking]
+        try:
+            drafts = self.proposer.propose(asking, ks)
+        except Exception:
+            log.error("speculative proposals failed, speculation is off from now on:\n%s", traceback.format_exc())
+            self.proposer = None
+            return
+        for seq, draft in zip(asking, drafts, strict=True):
+            seq.draft = draft
+
+    def record(self, seqs: list[Sequence], drafts: list[list[int]], tokens: list[list[int]]) -> None:
+        """A checked step: each sequence's proposal and the tokens it kept (its accepted proposals, then one)."""
+        for seq, draft, kept in zip(seqs, drafts, tokens, strict=True):
+            if draft:
+                self.gate.record(seq, len(draft), len(kept) - 1)
+
+    def finish(self, seq: Sequence) -> None:
+        if self.proposer is not None:
+            self.proposer.finish(seq)
 
 
 class LookupProposer(ABC):

@@ -1,0 +1,139 @@
+"""What an engine is made of, built from its config: the model (loaded here unless given), the KV cache and the
+context it can hold, the scheduler, the runner and its CUDA graphs, the grammar compiler, the sampler and the
+speculative proposer (a draft model with its own KV pool)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.cache.kv_cache import KVCache, KVSpec, PagedKVCache
+from tokenmill.cache.sizing import build_kv_cache
+from tokenmill.config import EngineConfig, parse_size
+from tokenmill.engine.draft import DraftModelProposer
+from tokenmill.engine.graphs import DecodeGraphs
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.spec import NgramProposer, Proposer, SuffixCacheProposer
+from tokenmill.errors import ConfigError
+from tokenmill.kernels import gpu
+from tokenmill.loader import LoadedModel, load_model
+from tokenmill.models.config import attention_crossover
+from tokenmill.structured.backend import GrammarCompiler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    loaded: LoadedModel
+    kv_cache: KVCache
+    max_model_len: int  # the context served: the model's, or what the KV memory holds
+    scheduler: Scheduler
+    runner: ModelRunner
+    grammars: GrammarCompiler  # read by API threads (compile) and by the sampler (masks)
+    sampler: Sampler
+    proposer: Proposer | None
+
+
+def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
+    """On the engine thread: OpenMP runs matmuls markedly slower in a thread other than the first one that used it,
+    so the thread that computes loads the model."""
+    config.check()
+    gpu.use_row_matmul(config.gpu_row_matmul)
+    gpu.use_pdl(config.gpu_pdl)
+    if loaded is None:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        loaded = load(config, config.model, config.max_model_len)
+    if loaded.deterministic != config.deterministic:
+        raise ConfigError(f"deterministic={config.deterministic} but the model was loaded with "
+                          f"deterministic={loaded.deterministic}")
+    tokenizer = loaded.tokenizer
+    tokenizer.token_bytes(0)  # its table is built here, not on the first request that asks for logprobs
+    mc = loaded.config
+    spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, mc.sliding_layers, mc.sliding_window)
+    kv_cache = build_kv_cache(config, spec, loaded.device, loaded.max_model_len)
+    max_model_len = context_that_fits(config, loaded.max_model_len, kv_cache.capacity_tokens)
+    scheduler = Scheduler(config, kv_cache, max_model_len, tokenizer.eos_token_ids, attention_crossover(mc))
+    runner = ModelRunner(loaded.model, kv_cache, loaded.device,
+                         decode_graphs(config, loaded, kv_cache, max_model_len))
+    grammars = GrammarCompiler(tokenizer.to_json(), mc.vocab_size, tokenizer.eos_token_ids)
+    sampler = Sampler(tokenizer.eos_token_ids, loaded.device, config.seed, grammars)
+    return EngineParts(loaded, kv_cache, max_model_len, scheduler, runner, grammars, sampler,
+                       proposer(config, loaded, kv_cache, max_model_len))
+
+
+def load(config: EngineConfig, model: str, max_model_len: int | None, draft: bool = False) -> LoadedModel:
+    """draft: the draft model, served the target's context even past its own: its guesses only get worse there,
+    and the target checks every one."""
+    c = config
+    budget = None if c.dense_weights_budget == "auto" else parse_size(c.dense_weights_budget)
+    return load_model(model, c.dtype, c.device, max_model_len, prepack=c.prepack_weights,
+                      quantized=c.quantized_weights, dense_budget=budget,
+                      dequantize_from_rows=c.dequantize_from_rows, fused_decode=c.fused_decode_layers,
+                      deterministic=c.deterministic, tiles_from_rows=c.amx_from_rows,
+                      past_trained_context=draft or c.allow_long_max_model_len, bf16_kernels=c.bf16_kernels)
+
+
+def context_that_fits(config: EngineConfig, context: int, kv_tokens: int) -> int:
+    """The context served: the model's, or less when the KV memory cannot hold one whole context (otherwise a
+    request that leaves out max_tokens, which defaults to the rest of the context, could never run)."""
+    if kv_tokens >= context:
+        return context
+    if config.max_model_len is not None:
+        raise ConfigError(f"--max-model-len {context} needs KV memory for {context} tokens; "
+                          f"--kv-cache-memory holds {kv_tokens}: raise it or lower --max-model-len")
+    log.warning("KV memory holds %d tokens, less than the model's context of %d: serving a context of %d",
+                kv_tokens, context, kv_tokens)
+    return kv_tokens
+
+
+def decode_graphs(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache,
+                  max_model_len: int) -> DecodeGraphs | None:
+    """CUDA graphs of decode steps, on a CUDA device over a paged pool where the GPU kernels run (they read the
+    block tables themselves); none with --enforce-eager."""
+    if loaded.device.type != "cuda" or config.enforce_eager or not isinstance(kv_cache, PagedKVCache):
+        return None
+    if not gpu.ready(loaded.device):
+        log.info("decode steps run op by op: CUDA graphs need the Triton kernels (kernels/gpu.py), not here")
+        return None
+    if loaded.config.num_experts:
+        log.info("decode steps run op by op: a mixture of experts routes on the host (layers/moe.py reads how "
+                 "many tokens each expert takes), which a CUDA graph cannot hold")
+        return None
+    return DecodeGraphs(loaded.model, kv_cache, config.max_num_seqs, max_model_len)
+
+
+def proposer(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache, max_model_len: int) -> Proposer | None:
+    if config.speculative is None:
+        return None
+    if config.speculative == "draft":
+        return draft_proposer(config, loaded, kv_cache, max_model_len)
+    if config.speculative == "suffix":
+        return SuffixCacheProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def draft_proposer(config: EngineConfig, target: LoadedModel, kv_cache: KVCache,
+                   max_model_len: int) -> DraftModelProposer:
+    """The draft model, of the target's vocabulary and context, and its own KV pool: as many tokens as the
+    target's, at most speculative_max_seqs whole contexts (sequences not speculating give theirs up when
+    short), each with room for its guesses."""
+    c = config
+    assert c.draft_model is not None, "EngineConfig.check() refuses --speculative draft without one"
+    draft = load(c, c.draft_model, max_model_len, draft=True)
+    if not draft.tokenizer.same_vocabulary(target.tokenizer):
+        raise ConfigError(f"--draft-model {c.draft_model}: its vocabulary is not the model's (a draft's tokens "
+                          "must mean what the model's do)")
+    mc = draft.config
+    spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, draft.dtype)
+    tokens = min(kv_cache.capacity_tokens, c.speculative_max_seqs * max_model_len)
+    num_blocks = -(-tokens // c.block_size) + c.speculative_max_seqs * -(-c.num_speculative_tokens // c.block_size)
+    cache = PagedKVCache(spec, draft.device, num_blocks, c.block_size)
+    log.info("draft model %s: its KV pool %.2f GiB for %d tokens", draft.path.name,
+             num_blocks * c.block_size * spec.bytes_per_token / 2**30, num_blocks * c.block_size)
+    return DraftModelProposer(draft, cache, target.tokenizer.vocab_size)
