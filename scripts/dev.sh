@@ -27,6 +27,7 @@ case "$verb" in
     "$venv/bin/ruff" check tokenmill tests scripts
     "$venv/bin/lint-imports"  # the layers of .importlinter: a request flows one way
     "$venv/bin/mypy"  # [tool.mypy] in pyproject.toml
+    "$venv/bin/mkdocs" build --strict --site-dir "$venv/docs-site"  # docs/ as a site: a broken link fails the tests
     # tests/e2e/test_browser.py drives Debian's Chromium: installed here where this user may (root, apt-get);
     # without it those tests are skipped.
     if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -3,7 +3,7 @@
 # that scripts/gpu_check.sh times llama.cpp beside tokenmill, on the same GGUFs, on a GPU machine that cannot fetch
 # anything. Run it where PyPI is reachable, with CUDA's compiler installed (CUDA_HOME, default /usr/local/cuda;
 # CUDA 13, the lent GPU machines' version), cmake and g++; 40 minutes on 2 cores, nothing on the GPU's clock.
-#   llama.cpp: the tree vendored in llama-cpp-python's sdist (the one tokenmill/bench/README.md builds for the CPU)
+#   llama.cpp: the tree vendored in llama-cpp-python's sdist (the one docs/performance/bench.md builds for the CPU)
 #   cuBLAS: the toolkit's, else the nvidia-cublas wheel's (what PyTorch's CUDA 13 builds install)
 #   libcuda: the driver's library is the GPU machine's own; the link takes a stand-in that names the calls ggml makes
 # The binary links cudart and cuBLAS dynamically: gpu_check.sh finds them among the GPU image's nvidia wheels.

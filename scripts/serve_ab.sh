@@ -14,7 +14,7 @@ set -u
 GGUF=$(realpath "${1:-$HOME/.cache/tokenmill/SmolLM2-135M-Instruct.Q4_1.gguf}")
 ROUNDS=${2:-3}
 OUT=${3:-results}
-LS=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary (tokenmill/bench/README.md builds one)}
+LS=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary (docs/performance/bench.md builds one)}
 TM=${TOKENMILL:-tokenmill}
 SERVERS=${SERVERS:-tokenmill dequantized no-kernels llama-server}  # any of start()'s names, in each round's order
 PORT=8123

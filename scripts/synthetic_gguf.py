@@ -1,7 +1,7 @@
 """Write a Llama-shaped GGUF of random weights, to measure how serving cost grows with model size.
 
     python scripts/synthetic_gguf.py OUT.gguf [--hidden 2048 --layers 22 --ffn 5632 --heads 32 --kv-heads 4]
-    llama-quantize OUT.gguf OUT-Q4_0.gguf Q4_0        # or Q4_K_M: llama.cpp's own quantizer (see bench/README.md)
+    llama-quantize OUT.gguf OUT-Q4_0.gguf Q4_0  # or Q4_K_M: llama.cpp's own quantizer (docs/performance/bench.md)
     python scripts/synthetic_gguf.py OUT.gguf --type Q4_1   # without llama.cpp: gguf-py quantizes (Q4_0, Q4_1,
                                                             # Q5_0, Q5_1, Q8_0; the embeddings, the tied head, Q8_0)
 

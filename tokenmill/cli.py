@@ -12,16 +12,19 @@ import typing
 from collections.abc import Collection
 
 from tokenmill import __version__
-from tokenmill.config import LOG_LEVELS, EngineConfig, ServerConfig
+from tokenmill.config import FLAG_GROUPS, LOG_LEVELS, EngineConfig, ServerConfig
 from tokenmill.errors import ConfigError, ModelFormatError
 
 
 def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Collection[str] = ()) -> None:
-    """One --flag per dataclass field, typed and defaulted by the field itself."""
+    """One --flag per dataclass field, typed and defaulted by the field itself, in its group (FLAG_GROUPS)."""
     hints = typing.get_type_hints(cls)
+    groups = {title: _group(parser, title) for title in FLAG_GROUPS}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
+        # a field of another dataclass (the bench's) goes with the parser's own options
+        group = next((groups[title] for title, names in FLAG_GROUPS.items() if f.name in names), parser)
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):  # `int | None` -> int
             kind = next(t for t in typing.get_args(kind) if t is not type(None))
@@ -29,12 +32,20 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Colle
         if "default" not in help_:  # a help that says its default in words keeps those words only
             help_ += " (default: %(default)s)"
         if kind is bool:  # --flag / --no-flag
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         elif typing.get_origin(kind) is tuple:  # tuple[str, ...]: one value per flag, repeated for several
             default = list(typing.cast(tuple, f.default))
-            parser.add_argument(flag, action="append", type=typing.get_args(kind)[0], default=default, help=help_)
+            group.add_argument(flag, action="append", type=typing.get_args(kind)[0], default=default, help=help_)
         else:
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_)
+            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_)
+
+
+def _group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """The parser's group of that title, made the first time (engine and server flags share some titles)."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
 
 
 def _pick(cls: type, args: argparse.Namespace) -> typing.Any:
@@ -71,7 +82,7 @@ def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
     _add_dataclass_flags(chat, EngineConfig, skip={"model"})
     pull = sub.add_parser("pull", help="fetch an embedded default model into the cache")
     pull.add_argument("alias")
-    bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (see tokenmill/bench/README.md)")
+    bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (see docs/performance/bench.md)")
     if bench_flags:
         _add_bench_flags(bench)
     return parser

@@ -48,6 +48,28 @@ def _check_counts(config: object, names: Sequence[str]) -> None:
             raise ConfigError(f"{_flag(name)} {value}: at least 1")
 
 
+# `--help` shows the flags in these groups, in this order; the A/B switches and kernel tuning last (each exists to
+# measure an optimization by turning it off, or to tune a kernel's threshold).
+FLAG_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "threads", "pooling"),
+    "scheduling and KV memory": ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_queued_requests",
+                                 "seed", "deterministic"),
+    "speculative decoding": ("speculative", "draft_model", "num_speculative_tokens", "prompt_lookup_min",
+                             "prompt_lookup_max", "speculative_max_seqs"),
+    "server": ("host", "port", "served_model_name", "log_level", "ui", "api_key", "allowed_origins",
+               "shutdown_timeout"),
+    "API: limits and features": ("max_request_bytes", "max_json_depth", "max_seqs_per_request", "max_messages",
+                                 "max_stop", "max_embedding_inputs", "max_logit_bias", "chat_template_timeout",
+                                 "chat_template_max_chars", "grammar_compile_timeout", "tool_call_parser",
+                                 "responses_store", "responses_store_max", "allow_request_chat_template"),
+    "A/B switches and kernel tuning": ("chunked_prefill", "long_prefill_token_threshold", "long_prefill_chunk", "kv",
+                                       "block_size", "prefix_caching", "sliding_window_kv", "prepack_weights",
+                                       "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
+                                       "amx_from_rows", "bf16_kernels", "fused_decode_layers", "enforce_eager",
+                                       "gpu_row_matmul", "gpu_pdl"),
+}
+
+
 @dataclass
 class EngineConfig:
     model: str = option("smollm2-135m", "a .gguf file, a Hugging Face folder, a hub id or an alias")

@@ -1,7 +1,7 @@
 """The chat page and the dashboard in headless Chromium (Debian's, driven by Playwright) against the live server on
 the real model: a reply streams in pieces, Stop aborts it on the server, model text never becomes HTML, the
 dashboard moves under load and settles after, and the key dialog. Screenshots of both pages (1280x800) go to
-artifacts/screenshots/ ($TOKENMILL_ARTIFACTS overrides the folder); the README shows them.
+artifacts/screenshots/ ($TOKENMILL_ARTIFACTS overrides the folder); the docs show them.
 
 Skipped where no Chromium is installed (scripts/dev.sh test installs Debian's where it can).
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import socket
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from tokenmill.cli import _pick, build_parser, main, with_env_api_keys
-from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.config import FLAG_GROUPS, EngineConfig, ServerConfig
 from tokenmill.errors import ConfigError
 
 
@@ -192,3 +193,17 @@ def test_the_early_sockets_take_the_port_as_a_running_server_does() -> None:
     finally:
         for s in everywhere:
             s.close()
+
+
+def test_every_flag_is_in_one_group_and_the_ab_switches_come_last() -> None:
+    """`serve --help` shows the engine's and the server's flags in FLAG_GROUPS' order, each flag in one group."""
+    fields = [f.name for cls in (EngineConfig, ServerConfig) for f in dataclasses.fields(cls)]
+    grouped = [name for names in FLAG_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(fields)
+    [subcommands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    text = subcommands.choices["serve"].format_help()
+    titles = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles == ["positional arguments", "options", *FLAG_GROUPS]
+    last = text[text.index("A/B switches and kernel tuning:"):]
+    assert "  --prefix-caching, --no-prefix-caching" in last and "  --gpu-pdl" in last
+    assert "  --max-num-seqs" not in last

@@ -6,7 +6,7 @@ accepted too.
 
 Nothing is dropped without a word: every field of a request model is implemented, accepted with no effect
 (`no_effect`: it changes nothing here, e.g. `user`), or refused unless left at its default (`refused`: a 400 naming
-it); a field no model declares is refused too. The README's "Request fields" table lists the second and third kinds.
+it); a field no model declares is refused too. docs/api.md's table lists the second and third kinds.
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/stats")
 async def stats(request: Request) -> JSONResponse:
-    """The dashboard's data, one JSON snapshot of the engine and its counters (README: "The chat page and the
-    dashboard"); the same counters as /metrics."""
+    """The dashboard's data, one JSON snapshot of the engine and its counters (docs/features/ui.md); the same
+    counters as /metrics."""
     serving = _serving(request)
     engine = serving.engine
     return JSONResponse({"object": "tokenmill.stats", "time": time.time(), "model": serving.model_id,
