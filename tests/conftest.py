@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import pretend_cpu_flags, write_tiny_gguf  # noqa: E402
 
+from tokenmill.config import WeightPlan  # noqa: E402
 from tokenmill.loader import LoadedModel, load_model  # noqa: E402
 from tokenmill.loader.sources import pull  # noqa: E402
 
@@ -63,14 +64,14 @@ def smollm_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm(smollm_path: Path) -> LoadedModel:
     """Dequantized to fp32 at load: the reference path, which transformers' numbers check."""
-    return load_model(str(smollm_path), dtype="float32", device=DEVICE, quantized=False)
+    return load_model(str(smollm_path), WeightPlan(dtype="float32", device=DEVICE, quantized=False))
 
 
 @pytest.fixture(scope="session")
 def smollm_served(smollm_path: Path) -> LoadedModel:
     """The default model as `tokenmill serve` loads it (its Q4_1 weights kept quantized, run by the C++ kernels), in
     fp32 on every CPU: what the end-to-end tests serve."""
-    return load_model(str(smollm_path), dtype="float32", device=DEVICE)
+    return load_model(str(smollm_path), WeightPlan(dtype="float32", device=DEVICE))
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +87,7 @@ def tiny4k_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny4k(tiny4k_gguf: Path) -> LoadedModel:
-    return load_model(str(tiny4k_gguf), dtype="float32", device="cpu")
+    return load_model(str(tiny4k_gguf), WeightPlan(dtype="float32", device="cpu"))
 
 
 @pytest.fixture

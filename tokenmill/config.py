@@ -48,6 +48,32 @@ def _check_counts(config: object, names: Sequence[str]) -> None:
             raise ConfigError(f"{_flag(name)} {value}: at least 1")
 
 
+@dataclass(frozen=True)
+class WeightPlan:
+    """How a model's weights are held and run, passed whole from the settings to the loader and the model builder
+    (loader.load_model, models/registry.py build_model): the compute dtype and device ("auto": resolved there,
+    from the device and the CPU probe), and the weight layouts.
+
+    quantized: keep a GGUF's quantized matrices in their quantization where the CPU's or GPU's kernels run them;
+    dense_budget: bytes that dense copies of them may take, for many-row steps (None: the default for the CPU and
+    dtype); dequantize_from_rows: without copies, steps of this many rows or more dequantize each matrix for its
+    matmul (0: never); prepack: reorder dense weights for the CPU's matmul library; fused_decode: decode steps run
+    each layer as one C++ op; deterministic: batch-invariant throughout; tiles_from_rows: a bf16 model's steps of
+    this many rows or more run on AMX tiles where there are any (0: never, None: the default); bf16_kernels: on CPU,
+    dense matrices of bf16 values run tokenmill's kernels."""
+
+    dtype: str = "auto"
+    device: str = "auto"
+    quantized: bool = True
+    dense_budget: int | None = 0
+    dequantize_from_rows: int = 0
+    prepack: bool = True
+    fused_decode: bool = True
+    deterministic: bool = False
+    tiles_from_rows: int | None = 0
+    bf16_kernels: bool = True
+
+
 # `--help` shows the flags in these groups, in this order; the A/B switches and kernel tuning last (each exists to
 # measure an optimization by turning it off, or to tune a kernel's threshold).
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
@@ -161,6 +187,14 @@ class EngineConfig:
                                         "request, never on the batch it shares, how its prompt was chunked or what "
                                         "the prefix cache held (batch-invariant kernels; CPU with the C++ kernels, "
                                         "paged KV; no dense weight copies)")
+
+    def weight_plan(self) -> WeightPlan:
+        """The weight settings, for the model and a draft model alike."""
+        budget = None if self.dense_weights_budget == "auto" else parse_size(self.dense_weights_budget)
+        return WeightPlan(dtype=self.dtype, device=self.device, quantized=self.quantized_weights, dense_budget=budget,
+                          dequantize_from_rows=self.dequantize_from_rows, prepack=self.prepack_weights,
+                          fused_decode=self.fused_decode_layers, deterministic=self.deterministic,
+                          tiles_from_rows=self.amx_from_rows, bf16_kernels=self.bf16_kernels)
 
     def check(self) -> None:
         """Refuse (ConfigError) what is wrong with these settings alone, before the model loads."""

@@ -16,7 +16,7 @@ from helpers import ServerThread
 from tokenmill import cli
 from tokenmill.bench import agree, client, report
 from tokenmill.bench.workloads import WORDS_PER_TOKEN, WorkloadParams, build, synthetic_text
-from tokenmill.config import ServerConfig
+from tokenmill.config import ServerConfig, WeightPlan
 from tokenmill.loader import load_model
 
 SMALL = ["--num-requests", "6", "--prompt-len", "16", "--output-len", "8", "--ignore-eos"]
@@ -24,7 +24,7 @@ SMALL = ["--num-requests", "6", "--prompt-len", "16", "--output-len", "8", "--ig
 
 @pytest.fixture(scope="module")
 def server(tiny_gguf: Path):
-    with ServerThread(load_model(str(tiny_gguf), dtype="float32", device="cpu"), "tiny") as srv:
+    with ServerThread(load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu")), "tiny") as srv:
         yield srv
 
 
@@ -122,7 +122,7 @@ def test_a_failing_server_is_counted_not_raised(server: ServerThread, tmp_path: 
 def test_a_server_with_an_api_key_is_benched_with_it(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture) -> None:
     """`tokenmill bench` had no --api-key: a server started with one refused every request."""
-    loaded = load_model(str(tiny_gguf), dtype="float32", device="cpu")
+    loaded = load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu"))
     monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
     with ServerThread(loaded, "tiny", ServerConfig(api_key=("sesame",))) as srv:
         assert bench("--url", srv.base_url, "--model", "tiny", "--workload", "burst", *SMALL) == 1

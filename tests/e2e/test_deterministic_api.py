@@ -12,6 +12,7 @@ import pytest
 from helpers import ServerThread, openai_client
 
 from tokenmill import __version__, kernels
+from tokenmill.config import WeightPlan
 from tokenmill.loader import load_model
 
 pytestmark = [pytest.mark.slow,
@@ -23,7 +24,7 @@ ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story
 
 @pytest.fixture(scope="module")
 def client(smollm_path: Path):
-    loaded = load_model(str(smollm_path), dtype="float32", device="cpu", deterministic=True)
+    loaded = load_model(str(smollm_path), WeightPlan(dtype="float32", device="cpu", deterministic=True))
     with ServerThread(loaded, MODEL, deterministic=True) as srv:
         yield openai_client(srv)
 

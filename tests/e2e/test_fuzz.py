@@ -10,6 +10,7 @@ from helpers import ServerThread, assert_no_live_blocks, write_tiny_gguf
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
+from tokenmill.config import WeightPlan
 from tokenmill.loader import load_model
 
 EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "60"))
@@ -19,7 +20,8 @@ EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "60"))
 def server(tmp_path_factory: pytest.TempPathFactory):
     path = write_tiny_gguf(tmp_path_factory.mktemp("fuzz") / "tiny.gguf")
     # A short context keeps generated max_tokens cheap; most generated prompts are then refused as too long.
-    with ServerThread(load_model(str(path), dtype="float32", device="cpu"), "tiny", max_model_len=96) as srv:
+    with ServerThread(load_model(str(path), WeightPlan(dtype="float32", device="cpu")), "tiny",
+                      max_model_len=96) as srv:
         yield srv
 
 

@@ -22,6 +22,7 @@ from helpers import (
     write_tiny_gguf,
 )
 
+from tokenmill.config import WeightPlan
 from tokenmill.engine.engine import Engine
 from tokenmill.kernels import gpu
 from tokenmill.layers.quantized import GpuQuantizedLinear
@@ -54,12 +55,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def bf16(folder: Path) -> LoadedModel:
-    return load_model(str(folder), dtype="bfloat16", device="cuda")
+    return load_model(str(folder), WeightPlan(dtype="bfloat16", device="cuda"))
 
 
 @pytest.fixture(scope="module")
 def fp32(folder: Path) -> LoadedModel:
-    return load_model(str(folder), dtype="float32", device="cuda")
+    return load_model(str(folder), WeightPlan(dtype="float32", device="cuda"))
 
 
 def log_probs(model, ids: list[int]) -> torch.Tensor:
@@ -208,10 +209,10 @@ def test_gguf_weights_kept_quantized_give_their_dense_twins_logits_and_tokens(tm
     dense: prefill logits, and greedy answers of 1, 3 and 12 streams through the graphs (row_matmul at 1 and 4 rows,
     cuBLAS on the dequantized matrices at 16)."""
     kind = GGMLQuantizationType[qtype]
-    kept = load_model(str(write_tiny_gguf(tmp_path / "q.gguf", qtype=kind, hidden=256)), dtype="float32",
-                      device="cuda")
+    kept = load_model(str(write_tiny_gguf(tmp_path / "q.gguf", qtype=kind, hidden=256)), WeightPlan(dtype="float32",
+                                                                                                    device="cuda"))
     twin = load_model(str(write_tiny_gguf(tmp_path / "twin.gguf", qtype=kind, hidden=256, dequantized=True)),
-                      dtype="float32", device="cuda")
+                      WeightPlan(dtype="float32", device="cuda"))
     assert isinstance(kept.model.model.layers[0].mlp.down_proj, GpuQuantizedLinear)
     quantized_mib, dense_mib = weight_bytes(kept.model)[0] / 2**20, sum(weight_bytes(twin.model)) / 2**20
     print(f"\n{qtype}: {quantized_mib:.1f} MiB quantized, its dense twin {dense_mib:.1f} MiB")

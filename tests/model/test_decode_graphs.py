@@ -12,7 +12,7 @@ import torch
 from helpers import assert_no_live_blocks, generate, save_two_layer_gemma3
 
 from tokenmill import kernels
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.engine import builder
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.graphs import DecodeGraphs, graph_sizes
@@ -30,7 +30,7 @@ PARAMS = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
 
 @pytest.fixture(scope="module")
 def tiny(tiny_gguf: Path) -> LoadedModel:
-    return load_model(str(tiny_gguf), dtype="float32", device="cpu")
+    return load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu"))
 
 
 def test_graph_sizes() -> None:
@@ -70,7 +70,7 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("gemma3-graphs")
     save_two_layer_gemma3(path, head_dim=32)
-    return load_model(str(path), dtype="float32", device="cpu")
+    return load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
 
 
 @pytest.mark.parametrize("model", ["tiny", "gemma"])

@@ -15,6 +15,7 @@ from helpers import assert_no_live_blocks, counted, generate, start_engine, subm
 
 from tokenmill import kernels
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
+from tokenmill.config import WeightPlan
 from tokenmill.engine.engine import Engine
 from tokenmill.layers.attention import SequenceSlice
 from tokenmill.loader import LoadedModel, load_model
@@ -39,7 +40,8 @@ TARGETS = (GREEDY, SEEDED)
 def model(request: pytest.FixtureRequest, smollm_path: Path) -> LoadedModel:
     """The default model as a user serves it (weights kept quantized, the default budget for dense copies), built
     for the mode."""
-    return load_model(str(smollm_path), dtype=request.param, device="cpu", dense_budget=2**30, deterministic=True)
+    return load_model(str(smollm_path), WeightPlan(dtype=request.param, device="cpu", dense_budget=2**30,
+                                                   deterministic=True))
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from helpers import (
 )
 
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
+from tokenmill.config import WeightPlan
 from tokenmill.engine.draft import DraftModelProposer
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import Sequence
@@ -33,7 +34,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 7, list(range(40, 90)), [100, 101] 
 
 @pytest.fixture(scope="module")
 def target(tiny_gguf: Path) -> LoadedModel:
-    return load_model(str(tiny_gguf), dtype="float32", device="cpu")
+    return load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +181,8 @@ def test_the_drafts_pool_holds_speculative_max_seqs_contexts_and_their_guesses(
 def test_a_draft_trained_on_a_shorter_context_still_drafts(tiny_gguf, tmp_path) -> None:
     """The draft serves the target's context even past its own (its guesses only get worse there); only the
     --max-model-len a user asks of the model is held to the model's training."""
-    target = load_model(str(write_tiny_gguf(tmp_path / "long.gguf", context_length=1024)), dtype="float32",
-                        device="cpu")
+    target = load_model(str(write_tiny_gguf(tmp_path / "long.gguf", context_length=1024)), WeightPlan(dtype="float32",
+                                                                                                      device="cpu"))
     greedy = [SamplingParams(max_tokens=16, ignore_eos=True)] * 2  # at most --speculative-max-seqs, so it drafts
     plain = start_engine(target)
     try:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import assert_no_live_blocks, counted, hf_configs, save_random_hf_model, start_engine
 
+from tokenmill.config import WeightPlan
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.loader import LoadedModel, load_model
@@ -30,7 +31,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(folder: Path) -> LoadedModel:
-    return load_model(str(folder), dtype="float32", device="cpu")
+    return load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
 
 
 def reference(folder: Path, ids: list[int], pooling: str) -> torch.Tensor:

@@ -11,6 +11,7 @@ from tolerances import AGREEMENT_WITH_FP32, KL_AGAINST_FP32, LOGITS_AGAINST_TRAN
 
 from tokenmill import kernels
 from tokenmill.bench.noise import against_fp32
+from tokenmill.config import WeightPlan
 from tokenmill.layers.quantized import QuantizedLinear
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.sampling import SamplingParams
@@ -57,7 +58,7 @@ def test_random_hf_model_matches_transformers(name: str, tmp_path: Path, device:
     config = hf_configs()[name]
     save_random_hf_model(tmp_path, config)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    loaded = load_model(str(tmp_path), dtype="float32", device=device)
+    loaded = load_model(str(tmp_path), WeightPlan(dtype="float32", device=device))
     assert loaded.config.qk_norm == (name == "qwen3")
     assert loaded.config.attention_bias == (name == "qwen2")
     assert (loaded.config.rope_freq_factors is not None) == (name == "llama3-rope")
@@ -92,8 +93,8 @@ def test_smollm2_bf16_tracks_fp32(smollm: LoadedModel, smollm_path: Path, quanti
         pytest.skip("no AMX tiles here")
     if quantized and not kernels.has_vector_kernels():
         pytest.skip("GGUF weights load dense here: the dense case is this one")
-    other = load_model(str(smollm_path), dtype="bfloat16", device=smollm.device.type, quantized=quantized,
-                       tiles_from_rows=tiles)
+    other = load_model(str(smollm_path), WeightPlan(dtype="bfloat16", device=smollm.device.type, quantized=quantized,
+                                                    tiles_from_rows=tiles))
     assert (other.model.model.fused_decode is not None) == (smollm.device.type == "cpu" and kernels.load()
                                                             and kernels.has_vector_kernels())
     linears = [m for m in other.model.modules() if isinstance(m, QuantizedLinear)]
@@ -108,6 +109,6 @@ def test_smollm2_quantized_kernels_track_fp32(smollm: LoadedModel, smollm_path: 
     to 8 bits per block of 32, as llama.cpp's are)."""
     if smollm.device.type != "cpu" or not (kernels.load() and kernels.has_vector_kernels()):
         pytest.skip("the quantized kernels run on a CPU that builds them")
-    quantized = load_model(str(smollm_path), dtype="float32", device="cpu")
+    quantized = load_model(str(smollm_path), WeightPlan(dtype="float32", device="cpu"))
     assert any(isinstance(m, QuantizedLinear) for m in quantized.model.modules())
     assert_tracks_fp32(smollm, quantized)

@@ -21,6 +21,7 @@ from helpers import (
 )
 
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
+from tokenmill.config import WeightPlan
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.layers.attention import SequenceSlice
 from tokenmill.loader import LoadedModel, load_model
@@ -104,7 +105,7 @@ def greedy(steps: int) -> SamplingParams:
 def test_a_gemma3_folder_matches_transformers_past_the_window(folder: Path) -> None:
     """Norms as x * (1 + w), sandwich norms, the scaled embeddings and unscaled tied head, GeGLU, q/k norms
     before RoPE, both RoPE bases, the window: every position's logits, then decoding far past the window."""
-    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    loaded = load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
     assert loaded.config.sliding_layers == (True,) * 5 + (False,)
     diff = (our_logits(loaded, PROMPT) - reference_logits(folder, PROMPT)).abs().max().item()
     assert diff < TOLERANCE, diff
@@ -119,7 +120,7 @@ def test_a_gemma3_gguf_matches_its_folder(twin: tuple[Path, Path]) -> None:
     """The GGUF's norms hold 1 + w already (adding 1 again would double them), its layer pattern and local RoPE
     base are implied, not stored."""
     folder, gguf = twin
-    loaded = load_model(str(gguf), dtype="float32", device="cpu", quantized=False)
+    loaded = load_model(str(gguf), WeightPlan(dtype="float32", device="cpu", quantized=False))
     assert loaded.config.architecture == "gemma3" and loaded.config.sliding_window == WINDOW
     diff = (our_logits(loaded, PROMPT) - reference_logits(folder, PROMPT)).abs().max().item()
     assert diff < TOLERANCE, diff
@@ -143,7 +144,7 @@ def last_logits(loaded: LoadedModel, ids: list[int], chunks: list[int]) -> torch
 
 
 def test_the_window_holds_across_chunks_and_prefix_hits(folder: Path) -> None:
-    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    loaded = load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
     whole = last_logits(loaded, PROMPT, [40])
     for chunks in ([7] * 5 + [5], [32, 8], [16, 23, 1]):
         assert (last_logits(loaded, PROMPT, chunks) - whole).abs().max().item() < 1e-5, chunks
@@ -177,7 +178,7 @@ def test_the_sliding_layers_keep_their_windows_alone(folder: Path) -> None:
     """The five sliding layers' KV in a pool of their own, three blocks of 4 a sequence (a window of 8 keys): the
     tokens of the layout where every layer keeps every token, through chunks, prefix hits, and preemptions when
     the global layer's 40 blocks run short."""
-    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    loaded = load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
     prompts = [PROMPT, PROMPT[:20] + [70, 71, 72], PROMPT[5:30], PROMPT[:3]]
     # Sampled, seeded: greedy, this random model repeats a token whatever its attention reads.
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
@@ -202,7 +203,7 @@ def test_without_chunked_prefill_a_prompt_longer_than_a_step_runs_whole(folder: 
     """--no-chunked-prefill runs a prompt longer than the step's budget alone and whole, so every token of it needs
     a sliding block at once: the sliding pool makes room for a whole context. Before, it held the windows and one
     step's budget; such a prompt never found room, and every request behind it waited for ever."""
-    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    loaded = load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
     prompts = [PROMPT * 3, PROMPT[:5]]  # 120 tokens: 30 blocks of 4, where the windows and a step took 8
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True) for i in range(2)]
     config = {"block_size": 4, "max_num_seqs": 2, "max_num_batched_tokens": 8, "chunked_prefill": False,
@@ -222,7 +223,7 @@ def test_without_chunked_prefill_a_prompt_longer_than_a_step_runs_whole(folder: 
 def test_gemma3_batches_and_aborts(folder: Path) -> None:
     """Greedy alone equals greedy in a batch (prompts shorter and longer than the window); an aborted stream
     gives its blocks back."""
-    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    loaded = load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
     prompts = [PROMPT[:3], PROMPT[:11], PROMPT, PROMPT[5:30]]
     engine = start_engine(loaded)
     try:
@@ -249,7 +250,7 @@ def test_the_real_gemma3_gguf_matches_transformers() -> None:
     with gguf_read_once():
         reference = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    loaded = load_model(str(path), dtype="float32", device="cpu", quantized=False)
+    loaded = load_model(str(path), WeightPlan(dtype="float32", device="cpu", quantized=False))
     prompts = [loaded.tokenizer.encode(text) for text in
                ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")]
     assert all(ids[0] == 2 and ids[1] != 2 for ids in prompts)  # exactly one <bos>

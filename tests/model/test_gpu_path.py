@@ -22,6 +22,7 @@ from helpers import (
     write_tiny_gguf,
 )
 
+from tokenmill.config import WeightPlan
 from tokenmill.engine.graphs import DecodeGraphs
 from tokenmill.kernels import gpu
 from tokenmill.layers.quantized import GpuQuantizedLinear
@@ -42,7 +43,8 @@ PARAMS = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
 
 def load(path: Path) -> LoadedModel:
     """fp32 dense weights in plain Linears, no fused CPU decode layers: the layers a GPU runs, op for op."""
-    return load_model(str(path), dtype="float32", device="cpu", quantized=False, fused_decode=False, prepack=False)
+    return load_model(str(path), WeightPlan(dtype="float32", device="cpu", quantized=False, fused_decode=False,
+                                            prepack=False))
 
 
 def run(loaded: LoadedModel, graphs: bool = False, row_matmul: bool = True, pdl: bool = True) -> list[list[int]]:
@@ -150,7 +152,7 @@ def test_gguf_weights_kept_quantized_on_the_gpu_give_their_dense_twins_tokens(q4
     quantized weights, the 16-row one and the embedding lookups through the dequantize kernel."""
     path, expected = q4_1_files
     monkeypatch.setattr(llama_module, "on_device", lambda weight, device: weight.gpu_rows(device))  # as on CUDA
-    kept = load_model(str(path), dtype="float32", device="cpu", fused_decode=False, prepack=False)
+    kept = load_model(str(path), WeightPlan(dtype="float32", device="cpu", fused_decode=False, prepack=False))
     assert isinstance(kept.model.model.layers[0].mlp.down_proj, GpuQuantizedLinear)
     assert quick_run(kept) == expected
     assert {"row_matmul", "dequantize"} <= set(on_triton)

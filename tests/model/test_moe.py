@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.config import WeightPlan
 from tokenmill.layers.moe import QuantizedStacked, StackedWeight
 from tokenmill.loader import load_model
 from tokenmill.sampling import SamplingParams
@@ -110,7 +111,7 @@ def test_a_moe_folder_matches_transformers(family: tuple[str, Path]) -> None:
     to experts together)."""
     _, folder = family
     model = reference(folder)
-    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    loaded = load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
     assert loaded.config.num_experts == 8 and loaded.config.num_experts_per_tok == 2
     with torch.inference_mode():
         for ids in PROMPTS:
@@ -129,7 +130,7 @@ def test_a_moe_folder_matches_transformers(family: tuple[str, Path]) -> None:
 def test_a_moe_gguf_matches_its_folder(family: tuple[str, Path]) -> None:
     """Stacked ffn_*_exps tensors, expert_count / expert_used_count and the family's own keys."""
     arch, folder = family
-    loaded = load_model(str(write_twin(folder, arch)), dtype="float32", device="cpu", quantized=False)
+    loaded = load_model(str(write_twin(folder, arch)), WeightPlan(dtype="float32", device="cpu", quantized=False))
     assert loaded.config.architecture == arch
     model = reference(folder)
     with torch.inference_mode():
@@ -145,8 +146,8 @@ def test_quantized_experts_stay_quantized_and_track_their_dense_twin(family: tup
     dense (dequantized) is the reference."""
     arch, folder = family
     path = write_twin(folder, arch, qtype)
-    kept = load_model(str(path), dtype="float32", device="cpu")
-    dense = load_model(str(path), dtype="float32", device="cpu", quantized=False)
+    kept = load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
+    dense = load_model(str(path), WeightPlan(dtype="float32", device="cpu", quantized=False))
     stacks = [m for m in kept.model.modules() if isinstance(m, QuantizedStacked | StackedWeight)]
     assert stacks and all(isinstance(m, QuantizedStacked) for m in stacks)
     assert not any(isinstance(m, nn.Linear) for m in kept.model.modules())

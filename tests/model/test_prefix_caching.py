@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_no_live_blocks, counted, generate, start_engine, submit
 
+from tokenmill.config import WeightPlan
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.sampling import SamplingParams
 
@@ -81,7 +82,7 @@ def test_concurrent_requests_with_a_shared_prefix_under_pool_pressure(smollm: Lo
 def test_exact_repeats_of_whole_blocks(tiny_gguf: Path) -> None:
     """A prompt of exactly 1, 2 or 8 blocks, sent again: all but its last block comes from the cache (the last
     token must run for its logits), and the answer is the one computed without the cache."""
-    tiny = load_model(str(tiny_gguf), dtype="float32", device="cpu")
+    tiny = load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu"))
     prompts = [[(7 * i + n) % 250 for i in range(16 * n)] for n in (1, 2, 8)]
     cached = start_engine(tiny, block_size=16)
     plain = start_engine(tiny, block_size=16, prefix_caching=False)

@@ -15,6 +15,7 @@ from tolerances import PROMPT_LOGPROB_GAPS, path_of
 from tokenmill import kernels
 from tokenmill.bench.agree import PROMPTS
 from tokenmill.bench.noise import Gaps, gaps
+from tokenmill.config import WeightPlan
 from tokenmill.loader import LoadedModel, load_model
 
 TESTED_PROMPTS = PROMPTS[:4]  # 41 cuts of SmolLM2's tokens
@@ -59,7 +60,8 @@ def test_bf16_prompt_logprobs_track_the_decoded_ones(smollm_path: Path, quantize
     too, so lm-eval's scores of a bf16 model carry it either way)."""
     if quantized and not kernels.has_vector_kernels():
         pytest.skip("GGUF weights load dense here: the dense case is this one")
-    loaded = load_model(str(smollm_path), dtype="bfloat16", device="cpu", quantized=quantized, tiles_from_rows=0)
+    loaded = load_model(str(smollm_path), WeightPlan(dtype="bfloat16", device="cpu", quantized=quantized,
+                                                     tiles_from_rows=0))
     assert_within(path_of(loaded), measured(loaded))
 
 
@@ -67,6 +69,6 @@ def test_bf16_prompt_logprobs_track_the_decoded_ones(smollm_path: Path, quantize
 def test_in_deterministic_mode_a_prompt_logprob_is_the_decoded_one_bit_for_bit(smollm_path: Path) -> None:
     """Every row's arithmetic its own (one attention kernel for prefill and decode, fixed matmul tiles): the chunk
     changes nothing."""
-    loaded = load_model(str(smollm_path), dtype="float32", device="cpu", deterministic=True)
+    loaded = load_model(str(smollm_path), WeightPlan(dtype="float32", device="cpu", deterministic=True))
     found = measured(loaded, deterministic=True)
     assert max(found.longer + found.one_token) == 0.0

@@ -9,7 +9,7 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import SequenceSlice
@@ -57,15 +57,15 @@ def test_every_row_gets_its_sequence_table_and_the_keys_up_to_its_position() -> 
 
 
 def test_the_mode_refuses_what_it_cannot_keep(tiny_gguf, monkeypatch) -> None:
-    tiny = load_model(str(tiny_gguf), dtype="float32", device="cpu")
+    tiny = load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu"))
     with pytest.raises(ConfigError, match="deterministic=True but the model was loaded with deterministic=False"):
         Engine(EngineConfig(deterministic=True), tiny)._setup()
     if kernels.load():
-        deterministic = load_model(str(tiny_gguf), dtype="float32", device="cpu", deterministic=True)
+        deterministic = load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu", deterministic=True))
         with pytest.raises(ConfigError, match="needs --kv paged"):
             Engine(EngineConfig(deterministic=True, kv="contiguous"), deterministic)._setup()
     monkeypatch.setattr(registry.kernels, "load", lambda: False)
     with pytest.raises(ConfigError, match="needs tokenmill's C.. kernels"):
-        load_model(str(tiny_gguf), dtype="float32", device="cpu", deterministic=True, quantized=False)
+        load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu", deterministic=True, quantized=False))
     with pytest.raises(ConfigError, match="CPU only"):
         registry.check_deterministic(torch.device("cuda"))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import write_tiny_gguf
 
+from tokenmill.config import WeightPlan
 from tokenmill.errors import ModelFormatError, RequestError
 from tokenmill.loader import load_model
 from tokenmill.loader.chat_template import ChatTemplate, template_from_metadata
@@ -36,7 +37,7 @@ def render(source: str, messages: list | None = None, **kwargs) -> str:
 def test_hostile_chat_template_in_a_gguf_is_refused_without_running(template: str, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     path = write_tiny_gguf(tmp_path / "hostile.gguf", chat_template=template.replace("{marker}", str(marker)))
-    loaded = load_model(str(path), dtype="float32", device="cpu")
+    loaded = load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(RequestError, match="failed to render") as refused:
         loaded.chat_template.render(messages, **BUDGET)

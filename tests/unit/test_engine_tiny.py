@@ -17,6 +17,7 @@ import torch
 from helpers import assert_no_live_blocks, counted, generate, start_engine
 
 from tokenmill import __version__
+from tokenmill.config import WeightPlan
 from tokenmill.engine import builder as builder_module
 from tokenmill.engine import engine as engine_module
 from tokenmill.engine import output as output_module
@@ -144,7 +145,7 @@ def test_a_deterministic_engine_says_so_in_its_fingerprint_and_needs_a_model_loa
                                                                                        tiny4k: LoadedModel) -> None:
     with pytest.raises(ConfigError, match="^deterministic=True but the model was loaded with deterministic=False$"):
         start_engine(tiny4k, deterministic=True)
-    loaded = load_model(str(tiny4k_gguf), dtype="float32", device="cpu", deterministic=True)
+    loaded = load_model(str(tiny4k_gguf), WeightPlan(dtype="float32", device="cpu", deterministic=True))
     with pytest.raises(ConfigError, match="^deterministic=False but the model was loaded with deterministic=True$"):
         start_engine(loaded)
     engine = start_engine(loaded, deterministic=True)
@@ -202,10 +203,10 @@ def test_an_engine_given_a_path_loads_it_as_its_settings_say(tiny4k_gguf: Path,
     finally:
         engine.stop()
     [(args, kwargs)] = calls
-    assert args == (str(tiny4k_gguf), "float32", "cpu", 256)
-    assert kwargs == {"prepack": False, "quantized": False, "dense_budget": 2**20, "dequantize_from_rows": 64,
-                      "fused_decode": False, "deterministic": False, "tiles_from_rows": 128,
-                      "past_trained_context": False, "bf16_kernels": False}
+    assert args == (str(tiny4k_gguf), WeightPlan(dtype="float32", device="cpu", quantized=False, dense_budget=2**20,
+                                                 dequantize_from_rows=64, prepack=False, fused_decode=False,
+                                                 deterministic=False, tiles_from_rows=128, bf16_kernels=False), 256)
+    assert kwargs == {"past_trained_context": False}
 
 
 def test_a_model_that_fails_to_load_fails_start(tmp_path: Path) -> None:
@@ -659,6 +660,7 @@ def test_an_end_token_ends_the_answer_without_text_or_a_logprob(engine: Engine, 
     assert ignored.tokens == [EOS] * 4 and ignored.last.finish_reason == "length"
     assert [lp.token_id for out in ignored.outputs for lp in out.logprobs] == [EOS] * 4  # the last one too
     assert run(engine, PROMPT, greedy(logit_bias=bias)).tokens == plain[0][:12]
+    assert not engine.output._end_token and not engine.output._errors  # nothing kept of a finished sequence
 
 
 def test_a_stop_string_ends_the_answer_before_it(engine: Engine, plain: list[list[int]]) -> None:
@@ -706,9 +708,12 @@ def test_an_embedding_is_the_prompts_pooled_state_normalized(tiny4k: LoadedModel
         engine.stop()
 
 
-def test_an_embedding_aborted_midway_has_no_vector(tiny4k: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its prompt runs in chunks of 7; aborted after the first, its one output carries no half-pooled vector."""
-    engine = start_engine(tiny4k, max_num_batched_tokens=7)
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_an_embedding_aborted_midway_has_no_vector(tiny4k: LoadedModel, monkeypatch: pytest.MonkeyPatch,
+                                                   pooling: str) -> None:
+    """Its prompt runs in chunks of 7; aborted after the first, its one output carries no half-pooled vector (a
+    mean's running sum has one by then)."""
+    engine = start_engine(tiny4k, max_num_batched_tokens=7, pooling=pooling)
     try:
         run_step = engine.runner.run
         ids = []
@@ -1012,7 +1017,7 @@ def write_sliding_gguf(path: Path) -> Path:
 
 
 def test_a_model_with_sliding_layers_gets_a_pool_for_their_windows(tmp_path: Path) -> None:
-    loaded = load_model(str(write_sliding_gguf(tmp_path / "sliding.gguf")), dtype="float32", device="cpu")
+    loaded = load_model(str(write_sliding_gguf(tmp_path / "sliding.gguf")), WeightPlan(dtype="float32", device="cpu"))
     engine = start_engine(loaded)
     try:
         kv = engine.kv_cache  # both layers slide: the full pool holds none, the sliding one both (2 heads of 32)

@@ -21,6 +21,7 @@ from helpers import count_gpu_kernels, random_blocks, without_pdl_waits, write_t
 
 from tokenmill import loader  # noqa: E402
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache  # noqa: E402
+from tokenmill.config import WeightPlan
 from tokenmill.kernels import gpu  # noqa: E402
 from tokenmill.layers.attention import SequenceSlice, _attend_paged, _causal_sdpa  # noqa: E402
 from tokenmill.layers.linear import linear_of, row_matmul_takes  # noqa: E402
@@ -384,7 +385,7 @@ def test_a_gguf_for_a_gpu_stays_quantized_where_the_kernels_run_and_gets_dense_c
     """On CUDA (its decisions here; its layout on the test device, the CPU's tensors without a GPU): quantized where
     the GPU kernels run, not for a mixture of experts; without a budget no dense copies, with one every matrix has its
     copy."""
-    config = load_model(str(write_tiny_gguf(tmp_path / "f.gguf")), device="cpu").config
+    config = load_model(str(write_tiny_gguf(tmp_path / "f.gguf")), WeightPlan(device="cpu")).config
     cuda = torch.device("cuda")
     monkeypatch.setattr(gpu, "serves", lambda device: True)
     assert loader._keeps_quantized(cuda, config)
@@ -396,7 +397,8 @@ def test_a_gguf_for_a_gpu_stays_quantized_where_the_kernels_run_and_gets_dense_c
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0)
     for budget, copies in ((0, False), (2**30, True)):
         with caplog.at_level(logging.INFO):
-            loaded = load_model(str(path), dtype="float32", device=device, dense_budget=budget, prepack=False)
+            loaded = load_model(str(path), WeightPlan(dtype="float32", device=device, dense_budget=budget,
+                                                      prepack=False))
         layers = [m for m in loaded.model.modules() if isinstance(m, GpuQuantizedLinear)]
         assert layers and all((m.dense is not None) == copies for m in layers)
         assert ("longer ones dequantize each matrix" in caplog.text) != copies

@@ -16,6 +16,7 @@ from helpers import tiny_metadata, tiny_tensors, write_gguf
 from tokenmill import kernels
 from tokenmill.cache.kv_cache import PagedKVCache
 from tokenmill.cache.sizing import KVSpec
+from tokenmill.config import WeightPlan
 from tokenmill.layers.attention import SequenceSlice
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, QuantizedLinear
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -113,8 +114,8 @@ def fused_steps(loaded: LoadedModel) -> list[int]:
 
 def load_fused_and_per_op(path: Path) -> tuple[LoadedModel, LoadedModel]:
     """The model at path in fp32, with and without the fused decode layers."""
-    fused = load_model(str(path), dtype="float32", device="cpu")
-    per_op = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
+    fused = load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
+    per_op = load_model(str(path), WeightPlan(dtype="float32", device="cpu", fused_decode=False))
     assert fused.model.model.fused_decode is not None and per_op.model.model.fused_decode is None
     return fused, per_op
 
@@ -211,12 +212,13 @@ def test_a_bf16_model_decodes_through_the_fused_layer_on_fp32_rows_and_its_bf16_
     if tiles and not kernels.has_tiles():
         pytest.skip("no AMX tiles here")
     path = write_model(tmp_path / "m.gguf", QType.Q4_K, bias=True)
-    exact = load_model(str(path), dtype="float32", device="cpu", fused_decode=False)
-    fused = load_model(str(path), dtype="bfloat16", device="cpu", tiles_from_rows=tiles)
-    per_op = load_model(str(path), dtype="bfloat16", device="cpu", fused_decode=False, tiles_from_rows=tiles)
+    exact = load_model(str(path), WeightPlan(dtype="float32", device="cpu", fused_decode=False))
+    fused = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", tiles_from_rows=tiles))
+    per_op = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", fused_decode=False,
+                                              tiles_from_rows=tiles))
     assert fused.model.model.fused_decode is not None
     if tiles:  # the tiles' products are not the integer kernel's
-        kernel = load_model(str(path), dtype="bfloat16", device="cpu")
+        kernel = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu"))
         assert not torch.equal(decode_steps(kernel, PROMPTS, 1)[0], decode_steps(fused, PROMPTS, 1)[0])
     runs = fused_steps(fused)
     models = (fused, per_op, exact)
@@ -247,9 +249,9 @@ def test_a_dense_bf16_model_runs_the_kernels_on_its_bf16_weights(tmp_path: Path,
     if tiles is None and not kernels.has_tiles():
         pytest.skip("no AMX tiles here")
     path = write_model(tmp_path / "m.gguf", QType.F32, bias=True, bf16_values_but="")
-    exact = load_model(str(path), dtype="float32", device="cpu", fused_decode=False, bf16_kernels=False)
-    ours = load_model(str(path), dtype="bfloat16", device="cpu", tiles_from_rows=tiles, dense_budget=None)
-    onednn = load_model(str(path), dtype="bfloat16", device="cpu", bf16_kernels=False)
+    exact = load_model(str(path), WeightPlan(dtype="float32", device="cpu", fused_decode=False, bf16_kernels=False))
+    ours = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", tiles_from_rows=tiles, dense_budget=None))
+    onednn = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", bf16_kernels=False))
     assert set(kept_bits(ours).values()) == {16} and len(kept_bits(ours)) == 2 * 4 + 1  # 4 a layer, and the head
     assert ours.model.model.fused_decode is not None and ours.model.model.fused_decode_below is None
     kept = [m for m in ours.model.modules() if isinstance(m, QuantizedLinear)]
@@ -274,10 +276,10 @@ def test_an_fp32_model_keeps_in_bf16_only_the_matrices_whose_values_are_bf16_one
     compute the same (fp32 products, only the order of the sums differs from oneDNN's); a matrix of other values
     stays dense, and then its layer op by op."""
     path = write_model(tmp_path / "m.gguf", QType.F32, bias=False, bf16_values_but="blk.1.ffn_down.weight")
-    loaded = load_model(str(path), dtype="float32", device="cpu")
+    loaded = load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
     assert set(kept_bits(loaded).values()) == {16} and len(kept_bits(loaded)) == 2 * 4 + 1 - 1
     assert "model.layers.1.mlp.down_proj" not in kept_bits(loaded) and loaded.model.model.fused_decode is None
-    reference = load_model(str(path), dtype="float32", device="cpu", bf16_kernels=False)
+    reference = load_model(str(path), WeightPlan(dtype="float32", device="cpu", bf16_kernels=False))
     for ours, theirs in zip(decode_steps(loaded, PROMPTS, 3), decode_steps(reference, PROMPTS, 3), strict=True):
         assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
 
@@ -287,7 +289,7 @@ def test_decode_steps_run_fused_unless_dense_copies_take_them(tmp_path: Path, bu
     """Dense copies (where the budget allows) run steps of DENSE_FROM_ROWS rows or more; without them every decode
     step, however many rows, runs the fused layer."""
     path = write_model(tmp_path / "m.gguf", QType.Q4_0, bias=False)
-    loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=budget)
+    loaded = load_model(str(path), WeightPlan(dtype="float32", device="cpu", dense_budget=budget))
     runs = fused_steps(loaded)
     for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 3 * DENSE_FROM_ROWS):
         decode_steps(loaded, [[5 + i, 9] for i in range(rows)], 1, new_cache(loaded, num_blocks=rows))
@@ -299,8 +301,9 @@ def test_a_layer_it_cannot_run_keeps_the_per_op_path(tmp_path: Path) -> None:
     have no fused layer, nor has deterministic bf16 (its fp32 residual stream would round otherwise than the per-op
     layers of a mixed step)."""
     path = write_model(tmp_path / "m.gguf", QType.Q4_1, bias=False)
-    assert load_model(str(path), dtype="float32", device="cpu", quantized=False).model.model.fused_decode is None
-    deterministic = load_model(str(path), dtype="bfloat16", device="cpu", deterministic=True)
+    assert load_model(str(path), WeightPlan(dtype="float32", device="cpu",
+                                            quantized=False)).model.model.fused_decode is None
+    deterministic = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", deterministic=True))
     assert deterministic.model.model.fused_decode is None
 
 
@@ -322,7 +325,7 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_on_three(tmp_path: Pat
     if tiles and not kernels.has_tiles():
         tiles = 0
     path = write_model(tmp_path / "m.gguf", QType.Q4_K, bias=True)
-    loaded = load_model(str(path), dtype=dtype, device="cpu", tiles_from_rows=tiles)
+    loaded = load_model(str(path), WeightPlan(dtype=dtype, device="cpu", tiles_from_rows=tiles))
     assert loaded.model.model.fused_decode is not None
     prompts = [[3 + (5 * i + j) % 240 for j in range(3 + i % 20)] for i in range(40)]
     runs = fused_steps(loaded)

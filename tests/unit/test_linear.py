@@ -10,6 +10,7 @@ import torch
 from helpers import our_logits
 from torch import nn
 
+from tokenmill.config import WeightPlan
 from tokenmill.layers.linear import PackedLinear, can_prepack
 from tokenmill.loader import load_model, resolve_dtype
 
@@ -18,8 +19,8 @@ from tokenmill.loader import load_model, resolve_dtype
 def test_prepacked_model_matches_the_plain_one(tiny_gguf: Path, dtype: str) -> None:
     if not can_prepack(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"this CPU's oneDNN does not prepack {dtype}")
-    packed = load_model(str(tiny_gguf), dtype=dtype, device="cpu", bf16_kernels=False)
-    plain = load_model(str(tiny_gguf), dtype=dtype, device="cpu", prepack=False, bf16_kernels=False)
+    packed = load_model(str(tiny_gguf), WeightPlan(dtype=dtype, device="cpu", bf16_kernels=False))
+    plain = load_model(str(tiny_gguf), WeightPlan(dtype=dtype, device="cpu", prepack=False, bf16_kernels=False))
     assert not any(isinstance(m, nn.Linear) for m in packed.model.modules())
     assert isinstance(packed.model.lm_head, PackedLinear)  # the tied head too
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())

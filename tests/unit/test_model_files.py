@@ -28,7 +28,7 @@ from safetensors.torch import load_file as load_torch_file
 from safetensors.torch import save_file
 
 from tokenmill import kernels
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.layers.quantized import QuantizedWeight
@@ -44,7 +44,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "x.gguf", architecture="mamba")
     with pytest.raises(ModelFormatError, match="^unsupported architecture 'mamba' in x.gguf; supported: llama, "
                                                "qwen2, qwen3, gemma3, qwen3moe, olmoe, granitemoe$"):
-        load_model(str(path), device="cpu")
+        load_model(str(path), WeightPlan(device="cpu"))
 
 
 def test_unsupported_quant_type_is_a_clear_error(tmp_path: Path) -> None:
@@ -52,14 +52,14 @@ def test_unsupported_quant_type_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError, match="^x.gguf: tensor blk.0.ffn_down.weight has quantization type TQ2_0, "
                                                "which tokenmill does not load; supported: BF16, F16, F32, Q2_K, "
                                                "Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0$"):
-        load_model(str(path), device="cpu")
+        load_model(str(path), WeightPlan(device="cpu"))
 
 
 def test_not_a_gguf_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ModelFormatError):
-        load_model(str(path), device="cpu")
+        load_model(str(path), WeightPlan(device="cpu"))
 
 
 QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -75,16 +75,16 @@ def test_quantized_weights_load_to_the_values_their_blocks_hold(qtype: str, tmp_
     quant_path = write_tiny_gguf(tmp_path / "q.gguf", qtype=quant_type, hidden=256)
     matrices = [t for t in GGUFReader(quant_path).tensors if len(t.shape) == 2]
     assert len(matrices) == 15 and all(t.tensor_type == quant_type for t in matrices)
-    quant = load_model(str(quant_path), dtype="float32", device="cpu", quantized=False)
+    quant = load_model(str(quant_path), WeightPlan(dtype="float32", device="cpu", quantized=False))
     twin_path = write_tiny_gguf(tmp_path / "twin.gguf", qtype=quant_type, hidden=256, dequantized=True)
-    twin = load_model(str(twin_path), dtype="float32", device="cpu")
+    twin = load_model(str(twin_path), WeightPlan(dtype="float32", device="cpu"))
     ids = list(range(3, 250, 9))
     ours, reference = our_logits(quant, ids), our_logits(twin, ids)
     assert (ours - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
 
-    kept = load_model(str(quant_path), dtype="float32", device="cpu").model
-    plain = dict(load_model(str(twin_path), dtype="float32", device="cpu", prepack=False,
-                            bf16_kernels=False).model.named_modules())
+    kept = load_model(str(quant_path), WeightPlan(dtype="float32", device="cpu")).model
+    plain = dict(load_model(str(twin_path), WeightPlan(dtype="float32", device="cpu", prepack=False,
+                                                       bf16_kernels=False)).model.named_modules())
     quantized = {name: m for name, m in kept.named_modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)}
     runs_kernels = kernels.load() and kernels.has_vector_kernels()
     bf16 = quant_type == GGMLQuantizationType.BF16 and runs_kernels
@@ -176,7 +176,7 @@ def test_crafted_gguf_is_refused_fast_by_our_checks(case, tmp_path: Path) -> Non
     path = _craft(tmp_path, edit)
     started = time.perf_counter()
     with pytest.raises(ModelFormatError, match="crafted.gguf") as refused:
-        load_model(str(path), dtype="float32", device="cpu")
+        load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
     assert time.perf_counter() - started < 1.0
     assert re.search(reason, str(refused.value)), str(refused.value)
 
@@ -208,7 +208,7 @@ def test_a_count_is_refused_exactly_when_its_items_cannot_fit(what: str, tmp_pat
         _put_u64(data, count_at(good), count)
         (tmp_path / "crafted.gguf").write_bytes(data)
         with pytest.raises(ModelFormatError) as error:
-            load_model(str(tmp_path / "crafted.gguf"), dtype="float32", device="cpu")
+            load_model(str(tmp_path / "crafted.gguf"), WeightPlan(dtype="float32", device="cpu"))
         assert bool(re.search(f"{label} count {count} at byte {items_at(good)} cannot fit", str(error.value))) \
             == refused, str(error.value)
 
@@ -259,9 +259,9 @@ def test_a_gguf_loads_to_the_model_of_the_folder_it_was_converted_from(name: str
     """Names, llama's q/k row order, biases, q/k norms, untied heads, rope_freqs and every metadata key."""
     transformers = pytest.importorskip("transformers")  # noqa: F841 - the folder is written by it
     save_random_hf_model(tmp_path, hf_configs()[name])
-    folder = load_model(str(tmp_path), dtype="float32", device="cpu")
+    folder = load_model(str(tmp_path), WeightPlan(dtype="float32", device="cpu"))
     gguf = load_model(str(gguf_from_hf(tmp_path, tmp_path / "m.gguf", folder.config.rope_freq_factors)),
-                      dtype="float32", device="cpu")
+                      WeightPlan(dtype="float32", device="cpu"))
     if folder.config.rope_freq_factors is not None:  # stored as float32 in the GGUF
         assert gguf.config.rope_freq_factors == pytest.approx(folder.config.rope_freq_factors, rel=1e-6)
         gguf.config.rope_freq_factors = folder.config.rope_freq_factors
@@ -276,7 +276,7 @@ def test_metadata_a_file_leaves_out_takes_the_llama_cpp_defaults(tmp_path: Path)
     optional = ("attention.head_count_kv", "attention.key_length", "attention.layer_norm_rms_epsilon",
                 "rope.freq_base", "context_length")
     path = write_tiny_gguf(tmp_path / "m.gguf", kv_heads=4, metadata=dict.fromkeys(optional))
-    config = load_model(str(path), dtype="float32", device="cpu").config
+    config = load_model(str(path), WeightPlan(dtype="float32", device="cpu")).config
     assert (config.num_kv_heads, config.head_dim, config.rms_norm_eps, config.rope_theta,
             config.max_position_embeddings) == (4, 16, 1e-6, 10000.0, 4096)
 
@@ -288,7 +288,8 @@ def test_metadata_is_the_files_key_values_not_the_readers_header_fields(tmp_path
 
 
 def test_one_kv_head_loads(tmp_path: Path) -> None:
-    loaded = load_model(str(write_tiny_gguf(tmp_path / "mqa.gguf", kv_heads=1)), dtype="float32", device="cpu")
+    loaded = load_model(str(write_tiny_gguf(tmp_path / "mqa.gguf", kv_heads=1)), WeightPlan(dtype="float32",
+                                                                                            device="cpu"))
     assert loaded.config.num_kv_heads == 1 and torch.isfinite(our_logits(loaded, [1, 2, 3])).all()
 
 
@@ -310,22 +311,22 @@ def test_one_kv_head_loads(tmp_path: Path) -> None:
 def test_metadata_of_the_wrong_kind_is_a_clear_error(key: str, value, expected: str, tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "m.gguf", metadata={key: value})
     with pytest.raises(ModelFormatError, match=f"^m.gguf: metadata llama.{re.escape(expected)}$"):
-        load_model(str(path), dtype="float32", device="cpu")
+        load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
 
 
 def test_tensors_outside_the_forward_pass_are_ignored(tmp_path: Path) -> None:
     extra = {"blk.0.attn_rot_embd": np.zeros(4, np.float32), "token_types.weight": np.zeros((2, 64), np.float32)}
     tensors = {**extra, **tiny_tensors()}
     with_extra = load_model(str(write_gguf(tmp_path / "x.gguf", "llama", tiny_metadata(), tensors)),
-                            dtype="float32", device="cpu")
-    plain = load_model(str(write_tiny_gguf(tmp_path / "p.gguf")), dtype="float32", device="cpu")
+                            WeightPlan(dtype="float32", device="cpu"))
+    plain = load_model(str(write_tiny_gguf(tmp_path / "p.gguf")), WeightPlan(dtype="float32", device="cpu"))
     assert torch.equal(our_logits(with_extra, [1, 2, 3]), our_logits(plain, [1, 2, 3]))
 
 
 def test_a_big_endian_file_is_refused(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "be.gguf", "llama", tiny_metadata(), tiny_tensors(), endianess=GGUFEndian.BIG)
     with pytest.raises(ModelFormatError, match="be.gguf is a big-endian GGUF file; tokenmill loads little-endian"):
-        load_model(str(path), dtype="float32", device="cpu")
+        load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +362,7 @@ def test_a_checkpoint_lacking_a_tensor_is_refused_naming_it(family: str, name: s
     folder = _edited(hf_folders[family], tmp_path / "m", lambda tensors: {
         k: v for k, v in tensors.items() if not re.fullmatch(name.replace(".", r"\.").replace("*", "(gate|up)"), k)})
     with pytest.raises(ModelFormatError, match=message):
-        load_model(str(folder), dtype="float32", device="cpu")
+        load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
 
 
 @pytest.mark.parametrize("name,message", [
@@ -375,7 +376,7 @@ def test_a_mis_shaped_tensor_is_refused_naming_it(name: str, message: str, hf_fo
     folder = _edited(hf_folders["qwen3"], tmp_path / "m",
                      lambda tensors: {**tensors, name: tensors[name][:, 1:].contiguous()})
     with pytest.raises(ModelFormatError, match=message):
-        load_model(str(folder), dtype="float32", device="cpu")
+        load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
 
 
 def test_a_damaged_folder_is_refused_naming_the_file(hf_folders: dict[str, Path], tmp_path: Path) -> None:
@@ -384,24 +385,26 @@ def test_a_damaged_folder_is_refused_naming_the_file(hf_folders: dict[str, Path]
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ModelFormatError, match=f"^cannot read {weights}: Error while deserializing header"):
-        load_model(str(truncated), dtype="float32", device="cpu")
+        load_model(str(truncated), WeightPlan(dtype="float32", device="cpu"))
     garbled = _edited(hf_folders["qwen2"], tmp_path / "garbled", lambda tensors: tensors)
     (garbled / "tokenizer.json").write_text("garbage{")
     with pytest.raises(ModelFormatError, match=f"^cannot read {garbled / 'tokenizer.json'}: expected value"):
-        load_model(str(garbled), dtype="float32", device="cpu")
+        load_model(str(garbled), WeightPlan(dtype="float32", device="cpu"))
 
 
 def test_a_context_past_the_models_is_refused(hf_folders: dict[str, Path], tmp_path: Path) -> None:
     """Positions the model was never trained on give noise; vLLM refuses them too."""
-    trained = load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu").config.max_position_embeddings
-    assert load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu", max_model_len=trained).max_model_len \
+    trained = load_model(str(hf_folders["qwen2"]), WeightPlan(dtype="float32",
+                                                              device="cpu")).config.max_position_embeddings
+    assert load_model(str(hf_folders["qwen2"]), WeightPlan(dtype="float32", device="cpu"),
+                      max_model_len=trained).max_model_len \
         == trained
     with pytest.raises(ConfigError, match=f"^--max-model-len {trained + 1}: the model was trained for a context of "
                                           rf"{trained} tokens \(--allow-long-max-model-len serves it anyway\)$"):
-        load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu", max_model_len=trained + 1)
+        load_model(str(hf_folders["qwen2"]), WeightPlan(dtype="float32", device="cpu"), max_model_len=trained + 1)
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     with pytest.raises(ConfigError, match="trained for a context of 512 tokens"):
-        load_model(str(gguf), dtype="float32", device="cpu", max_model_len=513)
+        load_model(str(gguf), WeightPlan(dtype="float32", device="cpu"), max_model_len=513)
 
 
 def test_allow_long_max_model_len_serves_past_the_trained_context(tiny_gguf: Path,
@@ -446,8 +449,8 @@ def test_checkpoint_tensors_the_model_has_no_use_for_are_skipped(hf_folders: dic
              "model.vision_tower.proj.weight": torch.ones(3, 3)}
     folder = _edited(hf_folders["qwen2"], tmp_path / "m", lambda tensors: {**tensors, **extra})
     with caplog.at_level(logging.DEBUG, logger="tokenmill.models.llama"):
-        with_extra = load_model(str(folder), dtype="float32", device="cpu")
-    plain = load_model(str(hf_folders["qwen2"]), dtype="float32", device="cpu")
+        with_extra = load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
+    plain = load_model(str(hf_folders["qwen2"]), WeightPlan(dtype="float32", device="cpu"))
     assert torch.equal(our_logits(with_extra, [1, 2, 3]), our_logits(plain, [1, 2, 3]))
     assert all(any(name in message for message in caplog.messages) for name in extra)
 
@@ -459,8 +462,8 @@ def test_weights_take_the_requested_dtype_and_device_contiguous(hf_folders: dict
     config = st_loader.model_config(folder)
     weights = ((name, t.t().contiguous().t() if t.dim() == 2 else t) for name, t in
                st_loader.load_weights(folder, config, torch.float32))
-    model = build_model(config, weights, torch.bfloat16, torch.device(device), 64,
-                        prepack=False, bf16_kernels=False)
+    model = build_model(config, weights, WeightPlan(prepack=False, bf16_kernels=False), torch.bfloat16,
+                        torch.device(device), 64)
     params = dict(model.named_parameters())
     assert len(params) == 3 + 2 * 8  # embeddings, norm, head; per layer 4 norms (2 for q/k), 4 matrices (2 fused)
     for name, param in params.items():
@@ -473,7 +476,7 @@ def test_weights_take_the_requested_dtype_and_device_contiguous(hf_folders: dict
 def test_a_loaded_model_does_not_change_with_its_file(hf_folders: dict[str, Path], tmp_path: Path) -> None:
     """The parameters own their memory: safetensors maps the file, and the model must not follow it."""
     folder = _edited(hf_folders["qwen3"], tmp_path / "m", lambda tensors: tensors)
-    loaded = load_model(str(folder), dtype="float32", device="cpu", prepack=False)
+    loaded = load_model(str(folder), WeightPlan(dtype="float32", device="cpu", prepack=False))
     before = our_logits(loaded, [1, 2, 3])
     with open(folder / "model.safetensors", "r+b") as file:  # every tensor's bytes zeroed in place
         header = 8 + struct.unpack("<Q", file.read(8))[0]
@@ -487,7 +490,7 @@ def test_an_unsupported_model_type_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError, match=f"^unsupported model_type 'mamba' in {re.escape(str(tmp_path))}; "
                                                "supported: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, "
                                                "olmoe, granitemoe$"):
-        load_model(str(tmp_path), device="cpu")
+        load_model(str(tmp_path), WeightPlan(device="cpu"))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
     with pytest.raises(ModelFormatError, match="is a multimodal Gemma 3 checkpoint; tokenmill serves the text models"):
-        load_model(str(tmp_path), device="cpu")
+        load_model(str(tmp_path), WeightPlan(device="cpu"))

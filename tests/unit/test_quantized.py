@@ -17,6 +17,7 @@ from helpers import our_logits, random_blocks, write_tiny_gguf
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.config import WeightPlan
 from tokenmill.errors import ConfigError
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, PAIR_ORDER, QuantizedLinear, QuantizedWeight
 from tokenmill.loader import load_model
@@ -157,8 +158,8 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
 @serves_quantized
 def test_a_gguf_is_served_quantized_and_tracks_its_dense_twin(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_1, hidden=256)
-    kept = load_model(str(path), dtype="float32", device="cpu")
-    dense = load_model(str(path), dtype="float32", device="cpu", quantized=False)
+    kept = load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
+    dense = load_model(str(path), WeightPlan(dtype="float32", device="cpu", quantized=False))
     assert not any(isinstance(m, nn.Linear | nn.Embedding) for m in kept.model.modules())
     assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
     ids = list(range(3, 250, 9))
@@ -189,7 +190,7 @@ def test_without_kernels_a_gguf_loads_dense_with_one_log_line(tmp_path: Path, mo
     kernels.load.cache_clear()
     try:
         with caplog.at_level(logging.INFO):
-            loaded = load_model(str(path), dtype="float32", device="cpu")
+            loaded = load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
             plain = our_logits(loaded, ids)  # torch's norms too
     finally:
         monkeypatch.undo()
@@ -199,7 +200,7 @@ def test_without_kernels_a_gguf_loads_dense_with_one_log_line(tmp_path: Path, mo
     assert notes == ["C++ kernels unavailable (Error building extension: g++: command not found): plain PyTorch "
                      "paths, quantized weights dequantized at load"]
     if kernels.load():  # the same numbers as the dense path with the kernels' norms
-        dense = load_model(str(path), dtype="float32", device="cpu", quantized=False)
+        dense = load_model(str(path), WeightPlan(dtype="float32", device="cpu", quantized=False))
         # torch's norms and RoPE against the kernels': logits of up to 13 apart by up to 1.3e-4 (measured at every
         # level of a Zen 4: scalar's loops add in the plainest order)
         assert torch.allclose(plain, our_logits(dense, ids), atol=3e-4)
@@ -209,7 +210,7 @@ def test_without_kernels_a_gguf_loads_dense_with_one_log_line(tmp_path: Path, mo
 @pytest.mark.parametrize("budget", [0, 2**30])
 def test_many_row_steps_take_the_dense_copy_where_the_budget_allows(budget: int, tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
-    loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=budget)
+    loaded = load_model(str(path), WeightPlan(dtype="float32", device="cpu", dense_budget=budget))
     linear = loaded.model.model.layers[0].mlp.down_proj
     assert isinstance(linear, QuantizedLinear) and (linear.dense is not None) == (budget > 0)
     for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS):
@@ -234,7 +235,7 @@ def test_by_default_dense_copies_are_made_for_bf16_on_amx_only(flags: str, dtype
     """Elsewhere the quantized kernel is as fast as the matmul library at every row count measured."""
     pretend_cpu_flags(flags, tmp_path, monkeypatch)
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
-    loaded = load_model(str(path), dtype=dtype, device="cpu", prepack=False, dense_budget=None)
+    loaded = load_model(str(path), WeightPlan(dtype=dtype, device="cpu", prepack=False, dense_budget=None))
     quantized = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
     assert quantized and all((m.dense is not None) == dense for m in quantized)
 
@@ -246,7 +247,7 @@ def test_on_amx_a_model_over_the_automatic_budget_says_so(tmp_path: Path, monkey
     monkeypatch.setattr(registry, "AUTO_DENSE_BUDGET", 1 << 20)  # a 1 MiB budget, which the copies exceed
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
     with caplog.at_level(logging.INFO, logger="tokenmill.models.registry"):
-        loaded = load_model(str(path), dtype="bfloat16", device="cpu", prepack=False, dense_budget=None)
+        loaded = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", prepack=False, dense_budget=None))
     assert all(m.dense is None for m in loaded.model.modules() if isinstance(m, QuantizedLinear))
     assert "over the budget of 1 MiB" in caplog.text and "AMX only" not in caplog.text
 
@@ -256,7 +257,7 @@ def test_over_the_budget_long_steps_dequantize_each_matrix_for_its_matmul(tmp_pa
     """Without dense copies, steps of dequantize_from_rows rows or more multiply by a transient dequantized matrix
     (the kernel's 8-bit activations round otherwise: the two results are told apart); deterministic mode never."""
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
-    loaded = load_model(str(path), dtype="float32", device="cpu", dense_budget=0, dequantize_from_rows=64)
+    loaded = load_model(str(path), WeightPlan(dtype="float32", device="cpu", dense_budget=0, dequantize_from_rows=64))
     linear = loaded.model.model.layers[0].mlp.down_proj
     assert isinstance(linear, QuantizedLinear) and linear.dense is None and linear.dequantize_from_rows == 64
     for rows in (63, 64):
@@ -266,8 +267,8 @@ def test_over_the_budget_long_steps_dequantize_each_matrix_for_its_matmul(tmp_pa
         assert not torch.allclose(dense, kernel, rtol=1e-5, atol=1e-5 * float(dense.abs().max()))
         expected = dense if rows >= 64 else kernel
         assert torch.allclose(linear(x), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-    deterministic = load_model(str(path), dtype="float32", device="cpu", dense_budget=0, dequantize_from_rows=64,
-                               deterministic=True)
+    deterministic = load_model(str(path), WeightPlan(dtype="float32", device="cpu", dense_budget=0,
+                                                     dequantize_from_rows=64, deterministic=True))
     assert all(m.dequantize_from_rows == 0 for m in deterministic.model.modules() if isinstance(m, QuantizedLinear))
 
 
@@ -390,7 +391,8 @@ def test_a_bf16_model_on_amx_runs_its_long_steps_on_the_tiles_without_dense_copi
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
 
     def tiles_and_copies(**options: object) -> set[tuple[int, bool]]:
-        loaded = load_model(str(path), device="cpu", prepack=False, dense_budget=None, **options)  # type: ignore[arg-type]
+        plan = WeightPlan(device="cpu", prepack=False, dense_budget=None, **options)  # type: ignore[arg-type]
+        loaded = load_model(str(path), plan)
         return {(m.tiles_from_rows, m.dense is not None) for m in loaded.model.modules()
                 if isinstance(m, QuantizedLinear)}
 
@@ -411,8 +413,8 @@ def test_without_tiles_a_bf16_model_says_why_and_keeps_the_other_paths(tmp_path:
     monkeypatch.setattr(kernels, "has_tiles", lambda: False)
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)
     with caplog.at_level(logging.INFO, logger="tokenmill.models.registry"):
-        loaded = load_model(str(path), dtype="bfloat16", device="cpu", prepack=False, dense_budget=None,
-                            tiles_from_rows=24)
+        loaded = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", prepack=False, dense_budget=None,
+                                                  tiles_from_rows=24))
     quantized = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
     assert quantized and all(m.tiles_from_rows == 0 and m.dense is not None for m in quantized)
     assert "AMX tiles unused: this CPU or build has none" in caplog.text
@@ -424,7 +426,7 @@ def test_a_cpu_without_avx2_gets_dense_weights(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(kernels, "has_vector_kernels", lambda: False)  # a CPU without AVX2 and FMA
     with caplog.at_level(logging.INFO):
         loaded = load_model(str(write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q4_0, hidden=256)),
-                            dtype="float32", device="cpu")
+                            WeightPlan(dtype="float32", device="cpu"))
     assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
     assert any("lacks AVX2/FMA: GGUF weights dequantized at load" in r.getMessage() for r in caplog.records)
 
@@ -448,4 +450,4 @@ def test_a_quantized_matrix_of_the_wrong_shape_is_refused(tmp_path: Path) -> Non
     struct.pack_into("<QQ", data, dims_at, rows, cols)
     (tmp_path / "crafted.gguf").write_bytes(data)
     with pytest.raises(ModelFormatError, match=r"checkpoint shape \(\d+, \d+\), model expects"):
-        load_model(str(tmp_path / "crafted.gguf"), dtype="float32", device="cpu")
+        load_model(str(tmp_path / "crafted.gguf"), WeightPlan(dtype="float32", device="cpu"))

@@ -36,7 +36,7 @@ from tokenmill import cpu, kernels
 from tokenmill.api.engine_client import EngineClient, RequestStream
 from tokenmill.bench.agree import PROMPTS
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.layers.attention import SequenceSlice
@@ -145,7 +145,7 @@ def against_fp32(fp32: LoadedModel, other: LoadedModel) -> AgainstFp32:
 
 def _load(model: str, path: str) -> LoadedModel:
     dtype, quantized, tiles = PATHS[path]
-    return load_model(model, dtype=dtype, device="cpu", quantized=quantized, tiles_from_rows=tiles)
+    return load_model(model, WeightPlan(dtype=dtype, device="cpu", quantized=quantized, tiles_from_rows=tiles))
 
 
 def _row(name: str, values: list[float]) -> str:

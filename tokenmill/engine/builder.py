@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.cache.kv_cache import KVCache, KVSpec, PagedKVCache
 from tokenmill.cache.sizing import build_kv_cache
-from tokenmill.config import EngineConfig, parse_size
+from tokenmill.config import EngineConfig
 from tokenmill.engine.draft import DraftModelProposer
 from tokenmill.engine.graphs import DecodeGraphs
 from tokenmill.engine.runner import ModelRunner
@@ -70,13 +70,8 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
 def load(config: EngineConfig, model: str, max_model_len: int | None, draft: bool = False) -> LoadedModel:
     """draft: the draft model, served the target's context even past its own: its guesses only get worse there,
     and the target checks every one."""
-    c = config
-    budget = None if c.dense_weights_budget == "auto" else parse_size(c.dense_weights_budget)
-    return load_model(model, c.dtype, c.device, max_model_len, prepack=c.prepack_weights,
-                      quantized=c.quantized_weights, dense_budget=budget,
-                      dequantize_from_rows=c.dequantize_from_rows, fused_decode=c.fused_decode_layers,
-                      deterministic=c.deterministic, tiles_from_rows=c.amx_from_rows,
-                      past_trained_context=draft or c.allow_long_max_model_len, bf16_kernels=c.bf16_kernels)
+    return load_model(model, config.weight_plan(), max_model_len,
+                      past_trained_context=draft or config.allow_long_max_model_len)
 
 
 def context_that_fits(config: EngineConfig, context: int, kv_tokens: int) -> int:

@@ -99,7 +99,7 @@ class OutputProcessor:
         return SequenceOutput(
             seq_id=seq.seq_id, text=seq.detokenizer.take_delta(final=final),
             token_ids=seq.output_ids[seq.num_sent_tokens:], logprobs=seq.pending_logprobs,
-            finish_reason=seq.finish_reason if final else None, prompt_tokens=len(seq.prompt_ids),
+            finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),  # None until it finished
             completion_tokens=len(seq.output_ids), cached_tokens=seq.num_cached_tokens or 0, error=error,
             embedding=self._embedding(seq) if final and seq.finish_reason == "stop" else None,
             prompt_logprobs=self._prompt_logprobs(seq),
@@ -116,5 +116,5 @@ class OutputProcessor:
     def _embedding(seq: Sequence) -> list[float] | None:
         if seq.pooling is None or seq.pooled is None:
             return None
-        vector = seq.pooled / len(seq.prompt_ids) if seq.pooling == "mean" else seq.pooled
-        return torch.nn.functional.normalize(vector, dim=0).tolist()
+        # a mean's running sum: normalized, the sum is the mean
+        return torch.nn.functional.normalize(seq.pooled, dim=0).tolist()

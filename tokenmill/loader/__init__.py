@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import cpu, kernels
+from tokenmill.config import WeightPlan
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.kernels import gpu
 from tokenmill.layers.quantized import QuantizedWeight
@@ -138,22 +139,17 @@ def _check_context(path: Path, config: ModelConfig, max_model_len: int | None, a
                 path.name, max_model_len, config.max_position_embeddings)
 
 
-def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-               max_model_len_cap: int = 8192, prepack: bool = True, quantized: bool = True,
-               dense_budget: int | None = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
-               deterministic: bool = False, tiles_from_rows: int | None = 0,
-               past_trained_context: bool = False, bf16_kernels: bool = True) -> LoadedModel:
-    """quantized: keep a GGUF's quantized matrices in their quantization (where the CPU's or GPU's kernels run), with
-    dense copies for many-row steps where they fit dense_budget bytes (None: the default for the CPU and dtype,
-    models/registry.py); without them, steps of dequantize_from_rows rows or more dequantize each matrix for its
-    matmul (0: never); fused_decode: decode steps run each layer of weights kept for the kernels as one C++ op;
-    deterministic: batch-invariant throughout; tiles_from_rows: a bf16 model's steps of this many rows or more run
-    on AMX tiles where there are any (0: never, None: the default; models/registry.py); past_trained_context: let
-    max_model_len exceed the context the model was trained for (refused otherwise); bf16_kernels: on CPU, dense matrices
-    of bf16 values run tokenmill's kernels (models/registry.py)."""
+DEFAULT_PLAN = WeightPlan()
+
+
+def load_model(model: str, plan: WeightPlan = DEFAULT_PLAN, max_model_len: int | None = None,
+               max_model_len_cap: int = 8192, past_trained_context: bool = False) -> LoadedModel:
+    """The model, its tokenizer and chat template, its weights held and run as `plan` says; its context
+    max_model_len (None: the model's, at most max_model_len_cap), past the context it was trained for only where
+    past_trained_context allows."""
     path = resolve(model)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    dev = resolve_device(plan.device)
+    torch_dtype = resolve_dtype(plan.dtype, dev)
     if dev.type == "cpu":
         log.info("%s", cpu.describe())
     started = time.perf_counter()
@@ -164,7 +160,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         gguf_loader.check_tensor_types(gguf)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         template_source = gguf.metadata.get("tokenizer.chat_template")
-        keep = quantized and _keeps_quantized(dev, config)
+        keep = plan.quantized and _keeps_quantized(dev, config)
         weights = gguf_loader.load_weights(gguf, config, torch_dtype, keep_quantized=keep)
         del gguf  # the reader's parsed fields: ~150 MiB of small objects (the tensors map the file by themselves)
     elif (path / "config.json").exists():
@@ -181,8 +177,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
         raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
     chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)
     served_len = max_model_len or min(config.max_position_embeddings, max_model_len_cap)
-    net = build_model(config, weights, torch_dtype, dev, served_len, prepack, dense_budget, dequantize_from_rows,
-                      fused_decode, deterministic, tiles_from_rows, bf16_kernels)
+    net = build_model(config, weights, plan, torch_dtype, dev, served_len)
     del weights
     _return_freed_memory()
     quantized_bytes, dense_bytes = weight_bytes(net)
@@ -191,4 +186,4 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto", max_model_
              time.perf_counter() - started, served_len, quantized_bytes / 2**20, dense_bytes / 2**20)
     return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer,
                        chat_template=chat_template, dtype=torch_dtype, device=dev, max_model_len=served_len,
-                       deterministic=deterministic)
+                       deterministic=plan.deterministic)

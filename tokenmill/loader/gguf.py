@@ -283,8 +283,8 @@ def check_tensor_types(gguf: GGUFFile) -> None:
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                  keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (Hugging Face name, tensor) pairs one tensor at a time, to bound peak memory: dequantized to dtype, or,
-    with keep_quantized, matrices of the types gguf_blocks reads as QuantizedWeights (the rest dequantized)."""
-    check_tensor_types(gguf)
+    with keep_quantized, matrices of the types gguf_blocks reads as QuantizedWeights (the rest dequantized). The
+    file's types are checked first (check_tensor_types: load_model does, before the tokenizer is read)."""
     for tensor in gguf.reader.tensors:
         name = _hf_name(tensor.name, config.architecture)
         if name is None:

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from tokenmill import cpu, kernels
+from tokenmill.config import WeightPlan
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.kernels import gpu
 from tokenmill.layers.attention import AttentionMetadata
@@ -59,21 +60,19 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
-                dtype: torch.dtype, device: torch.device, max_positions: int, prepack: bool = True,
-                dense_budget: int | None = 0, dequantize_from_rows: int = 0, fused_decode: bool = True,
-                deterministic: bool = False, tiles_from_rows: int | None = 0, bf16_kernels: bool = True) -> CausalLM:
-    """prepack: reorder the weights for the CPU's matmul library where it helps (layers/linear.py).
-    dense_budget: bytes that dense copies of quantized matrices may take, for many-row steps (all or none; None:
-    AUTO_DENSE_BUDGET for bf16 on an AMX CPU, else none);
-    dequantize_from_rows: without them, steps of this many rows or more dequantize each matrix for its matmul.
-    fused_decode: decode steps run each layer as one C++ op where the kernels run its weights (CPU: kept quantized,
-    or bf16 ones kept for them).
-    deterministic: each row's result depends on that row alone, whatever the batch (see check_deterministic).
-    tiles_from_rows: a bf16 model's steps of this many rows or more run its quantized matrices on AMX tiles where the
-    CPU has them (0: never; None: AUTO_TILES_FROM_ROWS, or AUTO_BF16_TILES_FROM_ROWS where all are bf16 weights).
-    bf16_kernels: on a CPU where the kernels run, dense matrices of bf16 values are kept in the kernels' 16-bit layout
-    and run by them, as quantized ones are."""
+def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], plan: WeightPlan,
+                dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
+    """The model of `config` on `weights`, in `dtype` on `device` (plan's, resolved), laid out as plan says
+    (config.WeightPlan): prepacked for the CPU's matmul library where it helps (layers/linear.py); dense copies of
+    quantized matrices for many-row steps within dense_budget (all or none; None: AUTO_DENSE_BUDGET for bf16 on an
+    AMX CPU, else none), or without them steps of dequantize_from_rows rows or more dequantizing each matrix; decode
+    steps fused into one C++ op a layer where the kernels run its weights (CPU: kept quantized, or bf16 ones kept
+    for them); deterministic: each row's result depends on that row alone, whatever the batch (check_deterministic);
+    tiles_from_rows: a bf16 model's steps of this many rows or more run its quantized matrices on AMX tiles where
+    the CPU has them (0: never; None: AUTO_TILES_FROM_ROWS, or AUTO_BF16_TILES_FROM_ROWS where all are bf16
+    weights); bf16_kernels: on a CPU where the kernels run, dense matrices of bf16 values are kept in the kernels'
+    16-bit layout and run by them, as quantized ones are."""
+    deterministic = plan.deterministic
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ModelFormatError(f"no model for architecture {config.architecture!r}")
@@ -85,7 +84,8 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
     for module in model.modules():  # tables outside the state dict (non-persistent buffers), built where they run
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
-    if bf16_kernels and not deterministic and device.type == "cpu" and kernels.load() and kernels.has_vector_kernels():
+    runs_kernels = device.type == "cpu" and kernels.load() and kernels.has_vector_kernels()
+    if plan.bf16_kernels and not deterministic and runs_kernels:
         kept = model.keep_bf16_for_kernels(exact_only=dtype != torch.bfloat16)
         if kept:
             log.info("%d dense matrices kept in bf16 for tokenmill's kernels (--no-bf16-kernels: oneDNN's)", kept)
@@ -94,19 +94,19 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
                  "row tiles; one attention kernel for prefill and decode")
     else:
         quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-        tiles = _use_tiles(quantized, dtype, tiles_from_rows)
+        tiles = _use_tiles(quantized, dtype, plan.tiles_from_rows)
         # bf16 weights are a dense bf16 matrix already: a copy would only double them
-        _add_dense_copies([m for m in quantized if m.weight.bits < 16], dtype, dense_budget, dequantize_from_rows,
-                          tiles)
+        _add_dense_copies([m for m in quantized if m.weight.bits < 16], dtype, plan.dense_budget,
+                          plan.dequantize_from_rows, tiles)
         _add_gpu_dense_copies([m for m in model.modules() if isinstance(m, GpuQuantizedLinear)], dtype,
-                              dense_budget)
-    if prepack and can_prepack(device, dtype):
+                              plan.dense_budget)
+    if plan.prepack and can_prepack(device, dtype):
         model.prepack_weights()  # the dense copies too: they are Linears like the rest
     if deterministic:
         model.make_row_invariant()
     # Deterministic bf16 stays per-op: the fused layer's fp32 residual stream would round otherwise than the per-op
     # layers of a mixed step that holds the same sequence.
-    fuse = fused_decode and not (deterministic and dtype != torch.float32)
+    fuse = plan.fused_decode and not (deterministic and dtype != torch.float32)
     if fuse and device.type == "cpu" and kernels.load() and model.model.fuse_decode_layers():
         below = model.model.fused_decode_below
         log.info("decode steps%s run each layer as one fused op", f" of fewer than {below} rows" if below else "")
