@@ -12,7 +12,7 @@ import pytest
 from helpers import CHATML
 
 from tokenmill.api.protocol import ChatCompletionRequest
-from tokenmill.api.responses import chat_chunks, chat_completion
+from tokenmill.api.responses import Reply, StreamUsage, chat_chunks, chat_completion
 from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
 from tokenmill.api.tool_parsers import PARSERS, parse_tool_calls
 from tokenmill.api.tools import forced_call_spec, template_inputs
@@ -53,6 +53,8 @@ LOOP = [
         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'},
 ]
+
+NO_TOKENIZER = Reply("id", "m", None)  # type: ignore[arg-type]  # answers without logprobs spell no token
 
 
 def render(template_source: str, parser: str, **fields) -> str:
@@ -137,13 +139,12 @@ async def _merged() -> AsyncIterator[tuple[int, SequenceOutput]]:
 def test_parallel_tool_calls_false_answers_with_the_first_call_only(parallel: bool) -> None:
     """Also under tool_choice auto, where no grammar limits the model to one call."""
     hermes = PARSERS["hermes"]
-    body = chat_completion("id", "m", 5, [_outputs()], None, hermes, parallel)  # type: ignore[arg-type]
+    body = chat_completion(NO_TOKENIZER, 5, [_outputs()], hermes, parallel)
     names = [c["function"]["name"] for c in body["choices"][0]["message"]["tool_calls"]]
     assert names == (["get_weather", "get_time"] if parallel else ["get_weather"])
 
     async def streamed() -> list[dict]:
-        return [c async for c in chat_chunks("id", "m", 5, False, 1, None, _merged(), hermes,  # type: ignore[arg-type]
-                                             parallel)]
+        return [c async for c in chat_chunks(NO_TOKENIZER, 5, 1, _merged(), StreamUsage(), hermes, parallel)]
     deltas = [d for c in asyncio.run(streamed()) for ch in c["choices"] for d in ch["delta"].get("tool_calls", [])]
     assert [d["function"]["name"] for d in deltas if "id" in d] == names
 
@@ -165,7 +166,7 @@ def test_an_answer_cut_inside_a_call_does_not_ask_to_run_it(finish: str) -> None
     by the token limit, the call stays as written with finish_reason length, as OpenAI's."""
     hermes, cut = PARSERS["hermes"], 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Par'
     outs = [SequenceOutput(0, cut, [], [], finish, 5, 9)]
-    choice = chat_completion("id", "m", 5, [outs], None, hermes)["choices"][0]  # type: ignore[arg-type]
+    choice = chat_completion(NO_TOKENIZER, 5, [outs], hermes)["choices"][0]
     assert choice["finish_reason"] == finish
     if finish == "stop":
         assert choice["message"]["content"] == cut and "tool_calls" not in choice["message"]
@@ -176,7 +177,7 @@ def test_an_answer_cut_inside_a_call_does_not_ask_to_run_it(finish: str) -> None
         yield 0, outs[0]
 
     async def streamed() -> list[dict]:
-        return [c async for c in chat_chunks("id", "m", 5, False, 1, None, merged(), hermes)]  # type: ignore[arg-type]
+        return [c async for c in chat_chunks(NO_TOKENIZER, 5, 1, merged(), StreamUsage(), hermes)]
     assert [ch["finish_reason"] for c in asyncio.run(streamed()) for ch in c["choices"]][-1] == finish
     response = response_object(ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", 5), outs, hermes)
     assert [item["type"] for item in response["output"]] == (

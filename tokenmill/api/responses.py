@@ -8,12 +8,33 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.api.errors import error_body
 from tokenmill.api.tool_parsers import ToolCall, ToolCallDelta, ToolParser, parse_tool_calls
 from tokenmill.engine.request import SequenceOutput, TokenLogprob
 from tokenmill.loader.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every body and chunk of one answer shares: its id, the model id, the engine's system_fingerprint, and
+    the tokenizer that spells its logprobs' tokens."""
+
+    request_id: str
+    model: str
+    tokenizer: Tokenizer
+    fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """A stream's usage: in a last chunk (stream_options.include_usage), and with `continuous` in every chunk, each
+    choice's so far (vLLM's continuous_usage_stats)."""
+
+    include: bool = False
+    continuous: bool = False
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -192,11 +213,11 @@ def _message(text: str, tool_parser: type[ToolParser] | None, parallel: bool, fi
     return message, calls
 
 
-def chat_completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
-                    tk: Tokenizer, tool_parser: type[ToolParser] | None = None, parallel: bool = True,
-                    fingerprint: str | None = None) -> dict[str, Any]:
+def chat_completion(reply: Reply, prompt_tokens: int, results: list[list[SequenceOutput]],
+                    tool_parser: type[ToolParser] | None = None, parallel: bool = True) -> dict[str, Any]:
     """tool_parser: read the text for tool calls (the request has tools), in the model's format; parallel: all
-    the calls it wrote, else only the first (parallel_tool_calls); fingerprint: the system_fingerprint."""
+    the calls it wrote, else only the first (parallel_tool_calls)."""
+    tk = reply.tokenizer
     choices, completion_tokens = [], 0
     for index, outs in enumerate(results):
         text, logprobs, finish, n_tokens = _joined(outs)
@@ -210,16 +231,16 @@ def chat_completion(request_id: str, model: str, prompt_tokens: int, results: li
             "finish_reason": _finish_reason(finish, bool(calls)),
         })
     cached = results[0][-1].cached_tokens
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": fingerprint, "choices": choices,
+    return {"id": reply.request_id, "object": "chat.completion", "created": int(time.time()), "model": reply.model,
+            "system_fingerprint": reply.fingerprint, "choices": choices,
             "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
 
-def completion(request_id: str, model: str, prompt_tokens: int, results: list[list[SequenceOutput]],
-               echoes: list[str], prompts: list[list[int]], n: int, tk: Tokenizer,
-               fingerprint: str | None = None) -> dict[str, Any]:
+def completion(reply: Reply, prompt_tokens: int, results: list[list[SequenceOutput]], echoes: list[str],
+               prompts: list[list[int]], n: int) -> dict[str, Any]:
     """echoes, prompts: each choice's echoed text (or none) and prompt ids; echoed with logprobs, its first
     output's prompt_logprobs lead the choice's entries."""
+    tk = reply.tokenizer
     choices, completion_tokens = [], 0
     for index, (outs, echo, prompt) in enumerate(zip(results, echoes, prompts, strict=True)):
         text, logprobs, finish, n_tokens = _joined(outs)
@@ -232,8 +253,8 @@ def completion(request_id: str, model: str, prompt_tokens: int, results: list[li
             "finish_reason": finish,
         })
     cached = _cached({i: outs[-1].cached_tokens for i, outs in enumerate(results)}, n)
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": fingerprint, "choices": choices,
+    return {"id": reply.request_id, "object": "text_completion", "created": int(time.time()), "model": reply.model,
+            "system_fingerprint": reply.fingerprint, "choices": choices,
             "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
 
@@ -247,15 +268,14 @@ def embeddings(model: str, vectors: list[list[float]], prompt_tokens: int, encod
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
-def _chunker(request_id: str, object_: str, model: str, include_usage: bool,
-             fingerprint: str | None) -> Callable[..., dict[str, Any]]:
+def _chunker(reply: Reply, object_: str, include_usage: bool) -> Callable[..., dict[str, Any]]:
     """Chunks of one stream share id, object, created, model and system_fingerprint; with include_usage each
     carries usage: null, or the usage given (vLLM's continuous_usage_stats)."""
     created = int(time.time())
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        body = {"id": request_id, "object": object_, "created": created, "model": model,
-                "system_fingerprint": fingerprint, "choices": choices}
+        body = {"id": reply.request_id, "object": object_, "created": created, "model": reply.model,
+                "system_fingerprint": reply.fingerprint, "choices": choices}
         if include_usage:
             body["usage"] = usage
         return body
@@ -298,15 +318,13 @@ def _tool_call_delta(delta: ToolCallDelta, call_ids: dict[int, str]) -> dict[str
             "function": {"name": delta.name, "arguments": delta.arguments}}
 
 
-async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_usage: bool, n: int,
-                      tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]],
-                      tool_parser: type[ToolParser] | None = None, parallel: bool = True,
-                      fingerprint: str | None = None,
-                      continuous_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
-    """tool_parser, parallel, fingerprint: as in chat_completion; calls stream as tool_calls deltas, the rest as
-    content. continuous_usage: every chunk carries its choice's usage so far (with include_usage)."""
-    chunk = _chunker(request_id, "chat.completion.chunk", model, include_usage, fingerprint)
-    usage = _ChoiceUsage(n, [prompt_tokens] if continuous_usage else None)
+async def chat_chunks(reply: Reply, prompt_tokens: int, n: int, outputs: AsyncIterator[tuple[int, SequenceOutput]],
+                      usage_options: StreamUsage = StreamUsage(), tool_parser: type[ToolParser] | None = None,
+                      parallel: bool = True) -> AsyncIterator[dict[str, Any]]:
+    """tool_parser, parallel: as in chat_completion; calls stream as tool_calls deltas, the rest as content."""
+    tk = reply.tokenizer
+    chunk = _chunker(reply, "chat.completion.chunk", usage_options.include)
+    usage = _ChoiceUsage(n, [prompt_tokens] if usage_options.continuous else None)
 
     started: set[int] = set()
     parsers: dict[int, ToolParser] = {}
@@ -339,17 +357,17 @@ async def chat_chunks(request_id: str, model: str, prompt_tokens: int, include_u
             called = index in parsers and parsers[index].called
             yield chunk([{"index": index, "delta": {}, "logprobs": None,
                           "finish_reason": _finish_reason(out.finish_reason, called)}], usage.of(index))
-    if include_usage:
+    if usage_options.include:
         yield chunk([], usage.total(prompt_tokens))
 
 
-async def completion_chunks(request_id: str, model: str, prompt_lengths: list[int], include_usage: bool, n: int,
-                            tk: Tokenizer, outputs: AsyncIterator[tuple[int, SequenceOutput]],
-                            fingerprint: str | None = None,
-                            continuous_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
-    """prompt_lengths: each prompt's tokens (choice i answers prompt i // n); continuous_usage: as chat_chunks'."""
-    chunk = _chunker(request_id, "text_completion", model, include_usage, fingerprint)
-    usage = _ChoiceUsage(n, prompt_lengths if continuous_usage else None)
+async def completion_chunks(reply: Reply, prompt_lengths: list[int], n: int,
+                            outputs: AsyncIterator[tuple[int, SequenceOutput]],
+                            usage_options: StreamUsage = StreamUsage()) -> AsyncIterator[dict[str, Any]]:
+    """prompt_lengths: each prompt's tokens (choice i answers prompt i // n)."""
+    tk = reply.tokenizer
+    chunk = _chunker(reply, "text_completion", usage_options.include)
+    usage = _ChoiceUsage(n, prompt_lengths if usage_options.continuous else None)
     offsets: dict[int, TextOffsets] = {}
     async for index, out in outputs:
         if out.finish_reason == "error":
@@ -361,5 +379,5 @@ async def completion_chunks(request_id: str, model: str, prompt_lengths: list[in
                 if out.logprobs else None
             yield chunk([{"index": index, "text": out.text, "logprobs": logprobs,
                           "finish_reason": out.finish_reason}], usage.of(index))
-    if include_usage:
+    if usage_options.include:
         yield chunk([], usage.total(sum(prompt_lengths)))

@@ -173,19 +173,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     serving = _serving(request)
     _check_model(serving, body.model)
     streams, prompt_tokens, tool_parser = await _submit_chat(serving, body)
-    tk = serving.engine.tokenizer
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    reply = _reply(serving, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
-        include_usage, continuous = _usage_options(body)
-        chunks = responses.chat_chunks(request_id, serving.model_id, prompt_tokens, include_usage, body.n, tk,
-                                       merge(streams), tool_parser, body.parallel_tool_calls,
-                                       serving.engine.system_fingerprint, continuous)
+        chunks = responses.chat_chunks(reply, prompt_tokens, body.n, merge(streams), _usage_options(body),
+                                       tool_parser, body.parallel_tool_calls)
         return _sse_response(chunks, streams)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
         return Response(status_code=499)  # nobody is there to read it
-    return responses.chat_completion(request_id, serving.model_id, prompt_tokens, results, tk, tool_parser,
-                                     body.parallel_tool_calls, serving.engine.system_fingerprint)
+    return responses.chat_completion(reply, prompt_tokens, results, tool_parser, body.parallel_tool_calls)
 
 
 # A Responses request runs as a chat request: errors name the Responses field the chat field came from (and
@@ -298,21 +294,18 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     grammar = await _grammar(serving, body.structured_spec())
     prompts = await asyncio.to_thread(lambda: [tk.encode(p) if isinstance(p, str) else p for p in body.prompts()])
     streams = serving.client.submit(prompts, params, body.n, grammar=grammar)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    reply = _reply(serving, f"cmpl-{uuid.uuid4().hex}")
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
-        include_usage, continuous = _usage_options(body)
-        chunks = responses.completion_chunks(request_id, serving.model_id, [len(p) for p in prompts], include_usage,
-                                             body.n, tk, merge(streams), serving.engine.system_fingerprint,
-                                             continuous)
+        chunks = responses.completion_chunks(reply, [len(p) for p in prompts], body.n, merge(streams),
+                                             _usage_options(body))
         return _sse_response(chunks, streams)
     results = await _collect_unless_disconnected(request, streams)
     if results is None:
         return Response(status_code=499)
     echoes = [_echoed(p, tk) if body.echo else "" for p in body.prompts() for _ in range(body.n)]
-    return responses.completion(request_id, serving.model_id, prompt_tokens, results, echoes,
-                                [p for p in prompts for _ in range(body.n)], body.n, tk,
-                                serving.engine.system_fingerprint)
+    return responses.completion(reply, prompt_tokens, results, echoes, [p for p in prompts for _ in range(body.n)],
+                                body.n)
 
 
 def _echoed(prompt: str | list[int], tk: Tokenizer) -> str:
@@ -366,12 +359,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _usage_options(body: SamplingFields) -> tuple[bool, bool]:
-    """A stream's usage: in a last chunk (include_usage), and also in every chunk, each choice's so far (vLLM's
-    continuous_usage_stats, which takes effect with include_usage, as in vLLM)."""
+def _usage_options(body: SamplingFields) -> responses.StreamUsage:
+    """vLLM's continuous_usage_stats takes effect with include_usage, as in vLLM."""
     options = body.stream_options
     include = bool(options and options.include_usage)
-    return include, include and bool(options and options.continuous_usage_stats)
+    return responses.StreamUsage(include, include and bool(options and options.continuous_usage_stats))
+
+
+def _reply(serving: Serving, request_id: str) -> responses.Reply:
+    return responses.Reply(request_id, serving.model_id, serving.engine.tokenizer, serving.engine.system_fingerprint)
 
 
 def _sse_response(chunks: AsyncIterator[dict], streams: list[RequestStream], done: bool = True) -> StreamingResponse:

@@ -126,9 +126,24 @@ def _body(cfg: ClientConfig, model: str | None, messages: list[dict[str, str]], 
     return body
 
 
-async def _conversation(client: httpx.AsyncClient, cfg: ClientConfig, model: str | None, params: WorkloadParams,
-                        conv: Conversation, slots: asyncio.Semaphore, t0: float, records: list[RequestRecord],
-                        bar: tqdm) -> None:
+@dataclass
+class _Run:
+    """One workload's run: the client, its settings and model, the semaphore that holds concurrency, its start,
+    the records and the progress bar every conversation adds to."""
+
+    client: httpx.AsyncClient
+    cfg: ClientConfig
+    model: str | None
+    params: WorkloadParams
+    slots: asyncio.Semaphore
+    t0: float
+    records: list[RequestRecord]
+    bar: tqdm
+
+
+async def _conversation(run: _Run, conv: Conversation) -> None:
+    client, cfg, model, params, slots, t0, records, bar = (run.client, run.cfg, run.model, run.params, run.slots,
+                                                           run.t0, run.records, run.bar)
     await asyncio.sleep(conv.arrival - (time.perf_counter() - t0))
     async with slots:
         messages = [{"role": "system", "content": conv.system}] if conv.system else []
@@ -173,8 +188,8 @@ async def run(cfg: ClientConfig, params: WorkloadParams, progress: bool = True) 
         with tqdm(total=params.total_requests, desc=params.name, unit="req", file=sys.stderr,
                   disable=not progress) as bar:
             t0 = time.perf_counter()
-            await asyncio.gather(*(_conversation(client, cfg, model, params, conv, slots, t0, records, bar)
-                                   for conv in conversations))
+            state = _Run(client, cfg, model, params, slots, t0, records, bar)
+            await asyncio.gather(*(_conversation(state, conv) for conv in conversations))
             duration = time.perf_counter() - t0
     config = {"url": cfg.base_url, "model": model, "endpoint": cfg.endpoint, "workload": params.name,
               "params": dataclasses.asdict(params), "request_rate": params.rate, "concurrency": concurrency,

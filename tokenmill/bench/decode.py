@@ -22,6 +22,7 @@ import asyncio
 import multiprocessing
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -172,14 +173,24 @@ def _profile(engine: Engine, prompt_ids: list[int], timed_steps: int = 64, profi
     return probe.report()
 
 
-def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads: int | None, quantized: bool,
-            streams: list[int], eager: bool, prefill: bool, profile: bool, row_matmul: bool = True,
-            pdl: bool = True, bf16_kernels: bool = True) -> dict:
-    if threads:
-        torch.set_num_threads(threads)
-    engine = Engine(EngineConfig(model=model, dtype=dtype, device=device, quantized_weights=quantized,
-                                 max_num_seqs=max(streams), enforce_eager=eager, gpu_row_matmul=row_matmul,
-                                 gpu_pdl=pdl, bf16_kernels=bf16_kernels))
+@dataclass(frozen=True)
+class Timing:
+    """What one configuration's process measures: decode at each stream count (tokens a stream, runs of each),
+    prompt speed, a profile of one-stream steps."""
+
+    tokens: int
+    runs: int
+    streams: tuple[int, ...]
+    prefill: bool = False
+    profile: bool = False
+    threads: int | None = None
+
+
+def measure(config: EngineConfig, timing: Timing) -> dict:
+    if timing.threads:
+        torch.set_num_threads(timing.threads)
+    streams, runs, tokens = timing.streams, timing.runs, timing.tokens
+    engine = Engine(config)
     engine.start()  # loads the model on the engine thread
     try:
         prompt_ids = engine.tokenizer.encode(PROMPT)
@@ -197,15 +208,15 @@ def measure(model: str, dtype: str, device: str, tokens: int, runs: int, threads
                         "quantized": any(bits < 16 for bits in kept),
                         "bf16_kernels": 16 in kept,
                         "graphs": engine.runner.graphs is not None,
-                        "row_matmul": row_matmul and engine.runner.device.type == "cuda",
-                        "pdl": pdl and gpu.pdl_ready(engine.runner.device)}
+                        "row_matmul": config.gpu_row_matmul and engine.runner.device.type == "cuda",
+                        "pdl": config.gpu_pdl and gpu.pdl_ready(engine.runner.device)}
         for n in streams:
             result[n] = [asyncio.run(_streams(engine, [prompt_ids] * n, tokens)) for _ in range(runs)]
-        if prefill:
+        if timing.prefill:
             vocab = engine.tokenizer.vocab_size
             asyncio.run(_prefill(engine, vocab, runs))  # warm-up: the prefill kernels compile for their shapes
             result["prefill"] = [asyncio.run(_prefill(engine, vocab, seed)) for seed in range(runs)]
-        if profile:
+        if timing.profile:
             result["profile"] = _profile(engine, prompt_ids)
         return result
     finally:
@@ -245,15 +256,17 @@ def main() -> None:
           f"{'median tok/s':>12} "
           f"{'min':>9} {'max':>9} {'weights GB/s':>12}")
     spawn = multiprocessing.get_context("spawn")
+    timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads)
     both = {"on": [True], "off": [False], "both": [False, True]}
     runs = [(d, q, g, r, p, k) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
             for r in both[args.row_matmul] for p in both[args.pdl] for k in both[args.bf16_kernels]]
     for dtype, quantized, graphs, row, pdl, bf16_kernels in runs:
         # A fresh process each, so none inherits another's memory, thread pools or graphs.
         with spawn.Pool(1) as pool:
-            result = pool.apply(measure, (args.model, dtype, args.device, args.tokens, args.runs,
-                                          args.threads, quantized, args.streams, not graphs, args.prefill,
-                                          args.profile, row, pdl, bf16_kernels))
+            config = EngineConfig(model=args.model, dtype=dtype, device=args.device, quantized_weights=quantized,
+                                  max_num_seqs=max(args.streams), enforce_eager=not graphs, gpu_row_matmul=row,
+                                  gpu_pdl=pdl, bf16_kernels=bf16_kernels)
+            result = pool.apply(measure, (config, timing))
         mode = (f"{'on' if result['quantized'] else 'off':<6} {'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
