@@ -7,14 +7,14 @@ from __future__ import annotations
 from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
-from tokenmill.api.responses import (
+from tokenmill.api.logprobs import (
     TextOffsets,
     _alternatives,
     _chat_token,
     _completion_token,
-    _shown,
     chat_logprobs,
     completion_logprobs,
+    shown_tokens,
 )
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.loader.tokenizer import Tokenizer
@@ -97,8 +97,8 @@ def test_a_special_token_the_text_shows_keeps_its_bytes() -> None:
         delimiters = ("<call>", "</call>")  # the second is no token of this vocabulary
 
     tk = sentencepiece_like()
-    assert _shown(tk, CallParser) == {CALL} and _shown(tk, None) == set()  # type: ignore[arg-type]
-    entries = chat_logprobs(tk, lps(CALL, EOT), shown=_shown(tk, CallParser))  # type: ignore[arg-type]
+    assert shown_tokens(tk, CallParser) == {CALL} and shown_tokens(tk, None) == set()  # type: ignore[arg-type]
+    entries = chat_logprobs(tk, lps(CALL, EOT), shown=shown_tokens(tk, CallParser))  # type: ignore[arg-type]
     assert [e["bytes"] for e in entries] == [list(b"<call>"), []]
 
 

@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 from helpers import CHATML
 
+from tokenmill.api.answer import Reply, StreamUsage
+from tokenmill.api.endpoints.chat import chat_chunks, chat_completion
 from tokenmill.api.protocol import ChatCompletionRequest
-from tokenmill.api.responses import Reply, StreamUsage, chat_chunks, chat_completion
 from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
 from tokenmill.api.tool_parsers import PARSERS, parse_tool_calls
 from tokenmill.api.tools import forced_call_spec, template_inputs

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: its middleware, error mapping, lifespan and routes (api/routes.py).
+"""The OpenAI-compatible HTTP app: its middleware, error mapping, lifespan and routes (api/endpoints/, one module
+an endpoint).
 
 Handlers never touch tensors; the engine's loop runs the model on its own thread.
 """
@@ -11,11 +12,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from tokenmill.api.endpoints import chat, completions, embeddings, models, responses, status
 from tokenmill.api.engine_client import EngineClient
 from tokenmill.api.errors import install_error_handlers
 from tokenmill.api.guards import OPEN_ROUTES, RequestGuard, ServingState
 from tokenmill.api.response_store import ResponseStore, open_store
-from tokenmill.api.routes import Serving, router
+from tokenmill.api.serving import Serving
 from tokenmill.api.ui import ui_routes
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
@@ -49,7 +51,8 @@ def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None, c
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     install_error_handlers(app)
-    app.include_router(router)
+    for endpoint in (status, models, chat, completions, responses, embeddings):
+        app.include_router(endpoint.router)
     if pages is not None:
         app.include_router(pages)
     return app

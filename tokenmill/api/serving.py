@@ -1,0 +1,111 @@
+"""What every endpoint reads and does alike: the serving state the app holds, the model a request names, its
+structured-output constraint compiled within the budget, its outputs collected unless the client leaves, a stream
+as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from tokenmill.api.answer import Reply, StreamUsage
+from tokenmill.api.engine_client import EngineClient, RequestStream, collect
+from tokenmill.api.guards import ServingState
+from tokenmill.api.protocol import SamplingFields
+from tokenmill.api.response_store import ResponseStore
+from tokenmill.api.sse import sse_done, sse_event
+from tokenmill.config import ServerConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.request import SequenceOutput
+from tokenmill.errors import ModelNotFoundError, RequestError
+from tokenmill.structured import StructuredSpec
+from tokenmill.structured.backend import CompiledGrammar
+
+
+@dataclass
+class Serving:
+    """What the routes read from app.state.serving (api/app.py puts it there)."""
+
+    engine: Engine
+    client: EngineClient
+    model_id: str  # what /v1/models lists
+    accepted_names: set[str]  # model_id and its aliases: what requests may name
+    config: ServerConfig
+    state: ServingState
+    responses: ResponseStore | None  # stored Responses (None: --responses-store off)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def serving_of(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+def check_model(serving: Serving, name: str) -> None:
+    if name not in serving.accepted_names:
+        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+async def compile_grammar(serving: Serving, found: tuple[StructuredSpec, str] | None) -> CompiledGrammar | None:
+    """A request's structured-output constraint (and the field that asked), compiled in a worker thread within
+    the server's time budget."""
+    if found is None:
+        return None
+    spec, param = found
+    timeout = serving.config.grammar_compile_timeout
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(serving.engine.grammars.compile, spec, param), timeout)
+    except TimeoutError as exc:
+        raise RequestError(f"{param}: did not compile within {timeout:g} s", param=param) from exc
+
+
+async def collect_unless_disconnected(request: Request, streams: list[RequestStream]
+                                      ) -> list[list[SequenceOutput]] | None:
+    """collect, unless the client goes away first: then every stream is aborted and None returned."""
+    collecting = asyncio.ensure_future(collect(streams))
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not collecting.done():
+            collecting.cancel()  # its finally aborts the streams
+    await asyncio.gather(collecting, return_exceptions=True)
+    return None if collecting.cancelled() else collecting.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: what comes next on the channel is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def usage_options(body: SamplingFields) -> StreamUsage:
+    """vLLM's continuous_usage_stats takes effect with include_usage, as in vLLM."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return StreamUsage(include, include and bool(options and options.continuous_usage_stats))
+
+
+def reply_of(serving: Serving, request_id: str) -> Reply:
+    return Reply(request_id, serving.model_id, serving.engine.tokenizer, serving.engine.system_fingerprint)
+
+
+def sse_response(chunks: AsyncIterator[dict], streams: list[RequestStream], done: bool = True) -> StreamingResponse:
+    """Chat and completions chunks end with [DONE] (done); Responses events are named and end with their last."""
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield sse_event(chunk, None if done else chunk["type"])
+            if done:
+                yield sse_done()
+        finally:
+            # A client that went away mid-stream cancels this generator: free its sequences now.
+            for s in streams:
+                s.abort()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
