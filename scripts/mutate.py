@@ -37,7 +37,7 @@ TARGETS = {
     "prefix_cache": Target("tokenmill/cache/prefix_cache.py", ("tests/unit/test_prefix_cache.py",)),
     "sampler": Target("tokenmill/engine/sampler.py", ("tests/unit/test_sampler.py", "tests/unit/test_structured.py")),
     "structured": Target("tokenmill/structured/backend.py", ("tests/unit/test_structured.py",)),
-    "tool_parsers": Target("tokenmill/api/tool_parsers.py", ("tests/unit/test_tool_parsers.py",)),
+    "tool_parsers": Target("tokenmill/api/tools/parsers.py", ("tests/unit/test_tool_parsers.py",)),
     "guards": Target("tokenmill/api/guards.py", ("tests/unit/test_guards.py",)),
     "gguf": Target("tokenmill/loader/gguf.py", ("tests/unit/test_model_files.py",)),
     "chat_template": Target("tokenmill/loader/chat_template.py", ("tests/unit/test_chat_template.py",)),

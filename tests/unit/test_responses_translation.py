@@ -16,8 +16,8 @@ from helpers import CHATML
 
 from tokenmill.api.protocol import ChatCompletionRequest
 from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
-from tokenmill.api.tool_parsers import PARSERS
-from tokenmill.api.tools import template_inputs
+from tokenmill.api.tools.parsers import PARSERS
+from tokenmill.api.tools.request import template_inputs
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import RequestError
 from tokenmill.loader.chat_template import ChatTemplate

@@ -12,7 +12,7 @@ from typing import Any
 import llguidance
 import pytest
 
-from tokenmill.api.tool_parsers import PARSERS, ParsedDelta, ToolParser, choose_parser, parse_tool_calls
+from tokenmill.api.tools.parsers import PARSERS, ParsedDelta, ToolParser, choose_parser, parse_tool_calls
 
 # (family, output, content, [(name, arguments text)]): what a whole output reads as.
 CASES: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [

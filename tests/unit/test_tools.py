@@ -15,8 +15,8 @@ from tokenmill.api.answer import Reply, StreamUsage
 from tokenmill.api.endpoints.chat import chat_chunks, chat_completion
 from tokenmill.api.protocol import ChatCompletionRequest
 from tokenmill.api.responses_api import ResponseBuilder, ResponsesRequest, response_events, response_object
-from tokenmill.api.tool_parsers import PARSERS, parse_tool_calls
-from tokenmill.api.tools import forced_call_spec, template_inputs
+from tokenmill.api.tools.parsers import PARSERS, parse_tool_calls
+from tokenmill.api.tools.request import forced_call_spec, template_inputs
 from tokenmill.config import ServerConfig
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import RequestError

@@ -7,7 +7,7 @@ import codecs
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.api.tool_parsers import ToolParser
+from tokenmill.api.tools.parsers import ToolParser
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.loader.tokenizer import Tokenizer
 

@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field
 
 from tokenmill.api.errors import validation_fault
 from tokenmill.api.protocol import ChatCompletionRequest, RequestModel, no_effect, refused
-from tokenmill.api.tool_parsers import ToolCall, ToolCallDelta, ToolParser, parse_tool_calls
+from tokenmill.api.tools.parsers import ToolCall, ToolCallDelta, ToolParser, parse_tool_calls
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import RequestError
 

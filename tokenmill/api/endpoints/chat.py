@@ -37,8 +37,8 @@ from tokenmill.api.serving import (
     sse_response,
     usage_options,
 )
-from tokenmill.api.tool_parsers import ToolCall, ToolCallDelta, ToolParser, choose_parser, parse_tool_calls
-from tokenmill.api.tools import check_forced_schemas, forced_call_spec, template_inputs
+from tokenmill.api.tools.parsers import ToolCall, ToolCallDelta, ToolParser, choose_parser, parse_tool_calls
+from tokenmill.api.tools.request import check_forced_schemas, forced_call_spec, template_inputs
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import ModelFormatError, RequestError
 from tokenmill.loader.chat_template import ChatTemplate

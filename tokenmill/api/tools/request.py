@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.api.protocol import ChatCompletionRequest
-from tokenmill.api.tool_parsers import ToolParser
+from tokenmill.api.tools.parsers import ToolParser
 from tokenmill.errors import RequestError
 from tokenmill.loader.chat_template import ChatTemplate
 from tokenmill.structured import StructuredSpec
