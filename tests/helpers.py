@@ -23,15 +23,12 @@ import numpy as np
 import openai
 import pytest
 import torch
-import uvicorn
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from tokenmill import cpu, kernels
-from tokenmill.api.app import create_app
 from tokenmill.api.engine_client import EngineClient, RequestStream
-from tokenmill.api.guards import ServingState
-from tokenmill.api.server import TokenmillServer, listen
+from tokenmill.api.server import build_server, listen
 from tokenmill.bench.noise import prefill_logits as our_logits  # noqa: F401 - the tests' name for it
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.engine import Engine
@@ -396,10 +393,9 @@ class ServerThread:
         self.store_dir = tempfile.TemporaryDirectory(prefix="tokenmill-test-")
         if config.responses_store is None:
             config = replace(config, responses_store=str(Path(self.store_dir.name) / "responses.sqlite3"))
-        self.state = ServingState()
-        app = create_app(self.engine, model_id, None, config, self.state)
-        self.server = TokenmillServer(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"),
-                                      self.engine, self.state, config.shutdown_timeout)
+        self.server = build_server(self.engine, replace(config, host="127.0.0.1", port=self.port,
+                                                        log_level="warning"), model_id)
+        self.state = self.server.state
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": self.sockets}, daemon=True)
 
     @property

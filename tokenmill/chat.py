@@ -176,22 +176,16 @@ def repl(client: ChatClient, options: dict[str, Any], system: str | None, out: T
 
 def local_server(engine_config: EngineConfig) -> str:
     """Start MODEL's engine and the API on a free loopback port, in this process; its base URL."""
-    import uvicorn
-
-    from tokenmill.api.app import create_app
-    from tokenmill.api.guards import ServingState
-    from tokenmill.api.server import TokenmillServer
+    from tokenmill.api.server import build_server
     from tokenmill.engine.engine import Engine
 
     engine = Engine(engine_config)
     engine.start()
-    config = ServerConfig(ui=False, responses_store="off", log_level="warning")
-    state = ServingState()
-    app = create_app(engine, engine_config.model, {str(engine.model_path)}, config, state)
+    config = ServerConfig(ui=False, responses_store="off", log_level="warning", shutdown_timeout=1)
+    server = build_server(engine, config, engine_config.model, {str(engine.model_path)})
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)  # connections wait in the backlog until uvicorn, starting, accepts them
-    server = TokenmillServer(uvicorn.Config(app, log_level="warning"), engine, state, shutdown_timeout=1)
     threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True, name="tokenmill-chat").start()
     return f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
 

@@ -120,12 +120,8 @@ def with_env_api_keys(config: ServerConfig) -> ServerConfig:
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGTERM (exit code 0) or until the engine dies (1)."""
-    import uvicorn
-
-    from tokenmill.api.app import create_app
-    from tokenmill.api.guards import ServingState
     from tokenmill.api.response_store import open_store
-    from tokenmill.api.server import TokenmillServer, listen
+    from tokenmill.api.server import build_server, listen
     from tokenmill.engine.engine import Engine
 
     log = logging.getLogger(__name__)
@@ -143,15 +139,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine.start()  # loads the model on the engine thread
     model_id = server_config.served_model_name or engine_config.model
     path = engine.model_path
-    state = ServingState()
-    app = create_app(engine, model_id, {engine_config.model, str(path), path.name}, server_config, state,
-                     store)
+    server = build_server(engine, server_config, model_id, {engine_config.model, str(path), path.name}, store,
+                          graceful_timeout=5)
     log.info("serving %s on http://%s:%d/v1", model_id, server_config.host, listeners[0].getsockname()[1])
-    server = TokenmillServer(
-        uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
-                       timeout_graceful_shutdown=5),
-        engine, state, server_config.shutdown_timeout,
-    )
     server.run(sockets=listeners)
     return server.exit_code
 

@@ -12,7 +12,10 @@ from typing import Any
 
 import uvicorn
 
+from tokenmill.api.app import create_app
 from tokenmill.api.guards import ServingState
+from tokenmill.api.response_store import ResponseStore
+from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError
 
@@ -123,3 +126,16 @@ class TokenmillServer(uvicorn.Server):
                 self.should_exit = True
                 return
             await asyncio.sleep(0.2)
+
+
+def build_server(engine: Engine, config: ServerConfig, model_id: str, aliases: set[str] | None = None,
+                 store: ResponseStore | None = None, graceful_timeout: int | None = None) -> TokenmillServer:
+    """The one way a server is made, by `tokenmill serve`, `tokenmill chat` and the tests alike: the app over the
+    engine (api/app.py) in uvicorn, with tokenmill's shutdown. Run it with the sockets of listen(); store: the
+    Responses store the caller opened (None: the one config names); graceful_timeout: uvicorn's own bound on
+    closing connections once the requests are done."""
+    state = ServingState()
+    app = create_app(engine, model_id, aliases, config, state, store)
+    return TokenmillServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                          timeout_graceful_shutdown=graceful_timeout),
+                           engine, state, config.shutdown_timeout)
