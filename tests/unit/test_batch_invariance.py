@@ -64,7 +64,7 @@ def test_the_mode_refuses_what_it_cannot_keep(tiny_gguf, monkeypatch) -> None:
         deterministic = load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu", deterministic=True))
         with pytest.raises(ConfigError, match="needs --kv paged"):
             Engine(EngineConfig(deterministic=True, kv="contiguous"), deterministic)._setup()
-    monkeypatch.setattr(registry.kernels, "load", lambda: False)
+    monkeypatch.setattr(kernels, "load", lambda: False)
     with pytest.raises(ConfigError, match="needs tokenmill's C.. kernels"):
         load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu", deterministic=True, quantized=False))
     with pytest.raises(ConfigError, match="CPU only"):

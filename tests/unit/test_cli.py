@@ -165,7 +165,7 @@ def test_the_choices_of_a_flag_are_those_its_reader_knows() -> None:
     """The config names them without importing their owners (the API's parsers; torch, for the dtypes): each list
     is held equal to its owner's."""
     from tokenmill.api.tools.parsers import PARSERS
-    from tokenmill.loader import DTYPES
+    from tokenmill.backend import DTYPES
 
     assert _choices(ServerConfig, "tool_call_parser") == sorted(PARSERS)
     assert _choices(EngineConfig, "dtype") == sorted(["auto", *DTYPES])

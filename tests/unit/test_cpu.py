@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tokenmill import cpu, kernels
+from tokenmill.backend import resolve_dtype
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
-from tokenmill.loader import resolve_dtype
 
 ZEN3 = "fpu sse4_2 avx f16c fma avx2 bmi2"
 ZEN4 = f"{ZEN3} avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"

@@ -4,7 +4,6 @@ TRITON_INTERPRET=1). Skipped where Triton is not installed."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -19,7 +18,7 @@ pytest.importorskip("triton")
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 from helpers import count_gpu_kernels, random_blocks, without_pdl_waits, write_tiny_gguf  # noqa: E402
 
-from tokenmill import loader  # noqa: E402
+from tokenmill import backend  # noqa: E402
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache  # noqa: E402
 from tokenmill.config import WeightPlan
 from tokenmill.kernels import gpu  # noqa: E402
@@ -385,13 +384,11 @@ def test_a_gguf_for_a_gpu_stays_quantized_where_the_kernels_run_and_gets_dense_c
     """On CUDA (its decisions here; its layout on the test device, the CPU's tensors without a GPU): quantized where
     the GPU kernels run, not for a mixture of experts; without a budget no dense copies, with one every matrix has its
     copy."""
-    config = load_model(str(write_tiny_gguf(tmp_path / "f.gguf")), WeightPlan(device="cpu")).config
     cuda = torch.device("cuda")
     monkeypatch.setattr(gpu, "serves", lambda device: True)
-    assert loader._keeps_quantized(cuda, config)
-    assert not loader._keeps_quantized(cuda, dataclasses.replace(config, num_experts=4, num_experts_per_tok=2))
+    assert backend.keeps_quantized(cuda, experts=False) and not backend.keeps_quantized(cuda, experts=True)
     monkeypatch.setattr(gpu, "serves", lambda device: False)
-    assert not loader._keeps_quantized(cuda, config)
+    assert not backend.keeps_quantized(cuda, experts=False)
     monkeypatch.setattr(gpu, "serves", lambda device: device.type == "cuda")
     monkeypatch.setattr(llama_module, "on_device", lambda weight, device: weight.gpu_rows(device))
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0)

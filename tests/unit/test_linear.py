@@ -10,9 +10,10 @@ import torch
 from helpers import our_logits
 from torch import nn
 
+from tokenmill.backend import resolve_dtype
 from tokenmill.config import WeightPlan
 from tokenmill.layers.linear import PackedLinear, can_prepack
-from tokenmill.loader import load_model, resolve_dtype
+from tokenmill.loader import load_model
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

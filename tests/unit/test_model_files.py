@@ -28,11 +28,12 @@ from safetensors.torch import load_file as load_torch_file
 from safetensors.torch import save_file
 
 from tokenmill import kernels
+from tokenmill.backend import resolve_device
 from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.layers.quantized import QuantizedWeight
-from tokenmill.loader import load_model, resolve_device
+from tokenmill.loader import load_model
 from tokenmill.loader import safetensors as st_loader
 from tokenmill.loader.gguf import GGUFFile
 from tokenmill.loader.gguf_blocks import QUANTIZED_TYPES

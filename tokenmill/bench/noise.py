@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import cpu, kernels
+from tokenmill import backend, cpu
 from tokenmill.api.engine_client import EngineClient, RequestStream
 from tokenmill.bench.agree import PROMPTS
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
@@ -162,7 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     print(cpu.describe())
     paths = list(args.paths)
-    if "bf16-tiles" in paths and not kernels.has_tiles():
+    if "bf16-tiles" in paths and not backend.tiles(torch.device("cpu")):
         paths.remove("bf16-tiles")
         print("bf16-tiles: no AMX tiles here")
     fp32 = _load(args.model, "fp32-dense")

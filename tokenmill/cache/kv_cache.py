@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenmill import backend
 from tokenmill.cache.block_pool import BlockPool
 from tokenmill.cache.prefix_cache import RadixCache
 from tokenmill.kernels import gpu
@@ -236,7 +237,7 @@ class PagedKVCache:
         chunks = slices[len(decodes):]
         device = self.device
         # On CUDA with the GPU kernels every prefill chunk of the step attends in one launch.
-        batch = self._prefill_batch(pool, chunks) if chunks and gpu.serves(device) else None
+        batch = self._prefill_batch(pool, chunks) if chunks and backend.gpu_kernels(device) else None
         return PagedMetadata(
             k_cache=pool.k, v_cache=pool.v, slot_mapping=self._slots(pool, slices), num_decodes=len(lengths),
             decode_tables=self._row_tables(pool, decodes).flatten(), decode_lengths=lengths,

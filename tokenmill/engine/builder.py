@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill import backend
 from tokenmill.cache.kv_cache import KVCache, KVSpec, PagedKVCache
 from tokenmill.cache.sizing import build_kv_cache
 from tokenmill.config import EngineConfig
@@ -93,7 +94,7 @@ def decode_graphs(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache,
     block tables themselves); none with --enforce-eager."""
     if loaded.device.type != "cuda" or config.enforce_eager or not isinstance(kv_cache, PagedKVCache):
         return None
-    if not gpu.ready(loaded.device):
+    if not backend.gpu_kernels(loaded.device):
         log.info("decode steps run op by op: CUDA graphs need the Triton kernels (kernels/gpu.py), not here")
         return None
     if loaded.config.num_experts:

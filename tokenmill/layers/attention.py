@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill import kernels
+from tokenmill import backend
 from tokenmill.kernels import gpu
 
 
@@ -161,17 +161,17 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
     if meta.row_tables is not None:  # deterministic: one kernel for every row (checked at load: it is built)
         return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.row_tables, meta.row_lengths,
                                                           scale, window)
-    if b == q.shape[0] and gpu.runs(q):  # decodes only: the kernel's output is all
+    if b == q.shape[0] and backend.gpu_runs(q):  # decodes only: the kernel's output is all
         return gpu.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1), meta.decode_lengths,
                                           scale, window)
-    if b == q.shape[0] and q.device.type == "cpu" and kernels.load():
+    if b == q.shape[0] and backend.cpu_kernels(q.device):
         return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables.view(b, -1),
                                                           meta.decode_lengths, scale, window)
     out = torch.empty_like(q)
-    if b and gpu.runs(q):
+    if b and backend.gpu_runs(q):
         out[:b] = gpu.paged_decode_attention(q[:b], k_cache, v_cache, meta.decode_tables.view(b, -1),
                                              meta.decode_lengths, scale, window)
-    elif b and q.device.type == "cpu" and kernels.load():  # read from the pool through the tables (kernels/)
+    elif b and backend.cpu_kernels(q.device):  # read from the pool through the tables (kernels/)
         tables = meta.decode_tables.view(b, -1)
         out[:b] = torch.ops.tokenmill.paged_decode_attention(q[:b], k_cache, v_cache, tables, meta.decode_lengths,
                                                              scale, window)
@@ -238,10 +238,10 @@ def fused_rotary_attention(layer: int, qkv: torch.Tensor, rope: tuple[torch.Tens
         return None
     meta, layer = meta.of_layer(layer)
     cos, sin = rope
-    if gpu.runs(qkv):
+    if backend.gpu_runs(qkv):
         q = gpu.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer], meta.slot_mapping, heads,
                               kv_heads)
-    elif qkv.device.type == "cpu" and kernels.load():
+    elif backend.cpu_kernels(qkv.device):
         q = torch.ops.tokenmill.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer],
                                               meta.slot_mapping, heads, kv_heads)
     else:

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill import backend
 from tokenmill.kernels import gpu
 from tokenmill.layers.linear import row_matmul_takes
 
@@ -16,9 +16,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gpu.runs(x):  # one launch (kernels/gpu.py), rows of any leading shape
+        if backend.gpu_runs(x):  # one launch (kernels/gpu.py), rows of any leading shape
             return gpu.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-        if x.device.type == "cpu" and kernels.load():  # one pass (kernels/norm.cpp): torch's is ~8 small ops
+        if backend.cpu_kernels(x.device):  # one pass (kernels/norm.cpp): torch's is ~8 small ops
             return torch.ops.tokenmill.rms_norm(x, self.weight, self.eps)
         # PyTorch's fused kernel: statistics in fp32 whatever the compute dtype; in fp32 bitwise equal to the
         # reference formula, in bf16 closer to exact (it rounds once, not twice).
@@ -27,9 +27,9 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm); the sum is written into x where the kernels run (x must be a tensor the
         caller owns: the residual stream)."""
-        if gpu.runs(x):
+        if backend.gpu_runs(x):
             return x, gpu.rms_norm(x, self.weight, self.eps, residual)
-        if x.device.type == "cpu" and kernels.load():
+        if backend.cpu_kernels(x.device):
             return x, torch.ops.tokenmill.add_rms_norm(x, residual, self.weight, self.eps)
         x = x + residual
         return x, self(x)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill import cpu, kernels
+from tokenmill import backend, cpu
 from tokenmill.config import WeightPlan
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.kernels import gpu
@@ -25,9 +25,6 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.registry import CausalLM, build_model
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
@@ -52,48 +49,6 @@ def _return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def resolve_device(name: str) -> torch.device:
-    """The device named, a GPU with its index (cuda: the current one), as its tensors name it: what is cached per
-    device (gpu.ready, gpu.pdl_ready) is then asked once, for the device the kernels run on."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise ConfigError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from exc
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {name}: tokenmill runs on cpu and cuda")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise ConfigError(f"--device {name}: no CUDA GPU is available (torch {torch.__version__}, {build})")
-        if device.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        if device.index >= torch.cuda.device_count():
-            raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 where the hardware computes it natively (CUDA; CPUs with AMX or AVX512-BF16), else fp32; on a CPU,
-    TOKENMILL_DTYPE's where it is set (tokenmill/cpu.py).
-
-    Without those instructions bf16 matmuls are emulated and slower than fp32 at batch sizes that matter (measured
-    3.4x slower at 32 rows on an AVX2 CPU); with AVX512-BF16 they are 2.9x faster (see README).
-    """
-    if name == "auto" and device.type == "cpu":
-        name = cpu.auto_dtype() or name
-    if name != "auto":
-        if name not in DTYPES:
-            raise ConfigError(f"unknown dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
-        return DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and cpu.computes_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
 def weight_bytes(model: CausalLM | torch.nn.Module) -> tuple[int, int]:
     """What the weights (and tables) of a model or a module hold in memory, in the kernels' layouts (quantized, or
     bf16 values) and dense, each tensor counted once."""
@@ -109,22 +64,6 @@ def weight_bytes(model: CausalLM | torch.nn.Module) -> tuple[int, int]:
             else:
                 dense += value.numel() * value.element_size()
     return quantized, dense
-
-
-def _keeps_quantized(device: torch.device, config: ModelConfig) -> bool:
-    """Whether device's kernels run a GGUF's quantized matrices: the CPU's C++ ones with their vector loops, or the
-    GPU's Triton ones (not a mixture of experts', whose experts run on the host: layers/moe.py)."""
-    if device.type == "cuda":
-        if config.num_experts:
-            log.info("a mixture of experts on CUDA: GGUF weights dequantized at load")
-        return not config.num_experts and gpu.serves(device)
-    if device.type != "cpu" or not kernels.load():
-        return False
-    if not kernels.has_vector_kernels():
-        log.info("this CPU lacks AVX2/FMA: GGUF weights dequantized at load (the quantized kernels' plain loops are "
-                 "slower than dense matmuls)")
-        return False
-    return True
 
 
 def _check_context(path: Path, config: ModelConfig, max_model_len: int | None, allowed: bool) -> None:
@@ -148,8 +87,8 @@ def load_model(model: str, plan: WeightPlan = DEFAULT_PLAN, max_model_len: int |
     max_model_len (None: the model's, at most max_model_len_cap), past the context it was trained for only where
     past_trained_context allows."""
     path = resolve(model)
-    dev = resolve_device(plan.device)
-    torch_dtype = resolve_dtype(plan.dtype, dev)
+    dev = backend.resolve_device(plan.device)
+    torch_dtype = backend.resolve_dtype(plan.dtype, dev)
     if dev.type == "cpu":
         log.info("%s", cpu.describe())
     started = time.perf_counter()
@@ -160,7 +99,7 @@ def load_model(model: str, plan: WeightPlan = DEFAULT_PLAN, max_model_len: int |
         gguf_loader.check_tensor_types(gguf)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         template_source = gguf.metadata.get("tokenizer.chat_template")
-        keep = plan.quantized and _keeps_quantized(dev, config)
+        keep = plan.quantized and backend.keeps_quantized(dev, bool(config.num_experts))
         weights = gguf_loader.load_weights(gguf, config, torch_dtype, keep_quantized=keep)
         del gguf  # the reader's parsed fields: ~150 MiB of small objects (the tensors map the file by themselves)
     elif (path / "config.json").exists():

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill import backend
 from tokenmill.errors import ModelFormatError
 from tokenmill.kernels import gpu
 from tokenmill.layers.attention import AttentionMetadata, PagedMetadata, attention, fused_rotary_attention
@@ -113,9 +113,9 @@ class MLP(nn.Module):
         if row_matmul_takes(self.down_proj, gate_up):
             return gpu.row_matmul(gate_up, self.down_proj.weight, self.down_proj.bias,
                                     "gelu_mul" if self.gelu else "silu_mul")[0]
-        if not self.gelu and gpu.runs(gate_up):
+        if not self.gelu and backend.gpu_runs(gate_up):
             return self.down_proj(gpu.silu_mul(gate_up))
-        if gate_up.device.type == "cpu" and kernels.load():  # one pass (kernels/rope.cpp), the fused layer's too
+        if backend.cpu_kernels(gate_up.device):  # one pass (kernels/rope.cpp), the fused layer's too
             act_mul = torch.ops.tokenmill.gelu_tanh_mul if self.gelu else torch.ops.tokenmill.silu_mul
             return self.down_proj(act_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from tokenmill import cpu, kernels
+from tokenmill import backend, cpu
 from tokenmill.config import WeightPlan
 from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.kernels import gpu
@@ -84,8 +84,7 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
     for module in model.modules():  # tables outside the state dict (non-persistent buffers), built where they run
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
-    runs_kernels = device.type == "cpu" and kernels.load() and kernels.has_vector_kernels()
-    if plan.bf16_kernels and not deterministic and runs_kernels:
+    if plan.bf16_kernels and not deterministic and backend.vector_kernels(device):
         kept = model.keep_bf16_for_kernels(exact_only=dtype != torch.bfloat16)
         if kept:
             log.info("%d dense matrices kept in bf16 for tokenmill's kernels (--no-bf16-kernels: oneDNN's)", kept)
@@ -107,7 +106,7 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
     # Deterministic bf16 stays per-op: the fused layer's fp32 residual stream would round otherwise than the per-op
     # layers of a mixed step that holds the same sequence.
     fuse = plan.fused_decode and not (deterministic and dtype != torch.float32)
-    if fuse and device.type == "cpu" and kernels.load() and model.model.fuse_decode_layers():
+    if fuse and backend.cpu_kernels(device) and model.model.fuse_decode_layers():
         below = model.model.fused_decode_below
         log.info("decode steps%s run each layer as one fused op", f" of fewer than {below} rows" if below else "")
     return model.eval()
@@ -119,7 +118,7 @@ def check_deterministic(device: torch.device) -> None:
     position 0) are tokenmill's C++ kernels, on the CPU."""
     if device.type != "cpu":
         raise ConfigError(f"--deterministic runs on the CPU only (not {device}): its kernels are CPU kernels")
-    if not kernels.load():
+    if not backend.cpu_kernels(device):
         raise ConfigError("--deterministic needs tokenmill's C++ kernels, which are unavailable here (the log says "
                           "why): torch's own attention and matmuls are not batch-invariant")
 
@@ -133,7 +132,7 @@ def _use_tiles(quantized: list[QuantizedLinear], dtype: torch.dtype, tiles_from_
     why = None
     if dtype != torch.bfloat16:
         why = f"they multiply in bf16 and the model runs in {str(dtype).removeprefix('torch.')}"
-    elif not kernels.has_tiles():
+    elif not backend.tiles(torch.device("cpu")):
         why = "this CPU or build has none"
     if why:
         if tiles_from_rows is not None:  # asked for: say why not
