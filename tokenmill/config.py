@@ -132,7 +132,7 @@ class EngineConfig:
                                   "L2-normalized", ("last", "mean"))
     threads: int | None = option(None, "CPU threads for the model (default: torch's choice)")
     prepack_weights: bool = option(True, "on CPU, reorder the weights once at load into oneDNN's blocked layout "
-                                         "(matmuls 1.1-3.7x faster, measured)")
+                                         "(matmuls several times faster)")
     quantized_weights: bool = option(True, "keep a GGUF's Q2_K-Q6_K/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrices in their "
                                            "quantization, run by tokenmill's C++ kernels on CPU and Triton kernels "
                                            "on CUDA (off: dequantize them to --dtype at load)")

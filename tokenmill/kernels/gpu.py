@@ -381,13 +381,8 @@ def row_matmul_runs(x: torch.Tensor, quantized: bool = False) -> bool:
 
 
 # Outputs a program computes, and the most columns a pass of its loop reads (of one row: more rows, fewer columns, so
-# a program's product stays in registers). Measured on an H200 at one stream of SmolLM2's shape (bf16, graphs): 16
-# outputs a program 879 tok/s, 8: 896, 4: 1,065 (cuBLAS: 835). Fewer outputs, more programs, more loads in flight at
-# once; a SmolLM2 projection's 576-1,536 columns in one pass.
-# On an H100, one-row projections of every layer of SmolLM2's and TinyLlama's shapes (bf16 and Q4_1, distinct
-# weights, CUDA graphs; 8 launch configurations): 4 outputs, 1,024 columns and 4 warps within 3% of the best for
-# SmolLM2; for TinyLlama 2 warps (Q4_1) or 2 outputs of 2,048 columns (bf16) took 8-11% less, but 2 warps gave the
-# same tok/s end to end (645 against 644).
+# a program's product stays in registers). Fewer outputs, more programs, more loads in flight at once; a SmolLM2
+# projection's 576-1,536 columns in one pass (the sweeps on an H200 and an H100: docs/performance/tuning.md).
 # Triton's interpreter runs a program's ops as numpy calls, whatever their size: there a program takes 32 outputs,
 # for the same results in an eighth of the programs (the tests' time).
 ROW_OUTPUTS = 32 if _INTERPRETING else 4

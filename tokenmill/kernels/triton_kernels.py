@@ -1,5 +1,5 @@
 """tokenmill's Triton kernels; kernels/gpu.py launches them. A module of its own, imported on first use: importing
-Triton slowed the CPU path's decode by ~5% (measured on SmolLM2, 2 threads), so a CPU run never does."""
+Triton slows the CPU path's decode (docs/performance/tuning.md), so a CPU run never does."""
 
 import triton
 import triton.language as tl

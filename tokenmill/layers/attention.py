@@ -98,8 +98,8 @@ def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
         if window:
             mask &= key_pos > query_pos - window
         mask = mask[None, None]
-    # Batched 4-D inputs: with them CPU SDPA takes its flash kernel for a masked GQA call (measured 3.3x faster
-    # than the 3-D form, which falls back to the math path).
+    # Batched 4-D inputs: with them CPU SDPA takes its flash kernel for a masked GQA call (the 3-D form falls back
+    # to the math path, several times slower).
     return F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask,
         scale=scale, enable_gqa=True,
@@ -129,14 +129,14 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """One query per sequence. q: [b, heads, dim]; keys/values: [b, length, kv heads, dim], as gathered from the
     pool; mask: [b, 1, 1, length], True where a key exists, or None when every key does."""
-    if q.dtype == torch.float32 or q.device.type != "cpu":  # SDPA: the fastest in fp32 on CPU (measured)
+    if q.dtype == torch.float32 or q.device.type != "cpu":  # SDPA: the fastest in fp32 on CPU
         return F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                                               attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
-    # In bf16/fp16 SDPA's CPU kernel is 5x slower than matmuls, and matmuls per KV head (3-row queries, keys
-    # transposed into a copy) run erratically, 1-3.7 ms at 32 x 160-288 keys. So every query head takes one
-    # matmul over all KV heads' keys at once, [length, kv heads * dim], with a block-diagonal query matrix that
-    # zeroes the other groups' products: 3x the FLOPs of the grouped form (tiny here), no copy of the keys, and a
-    # shape the CPU kernels do well (0.6-1.1 ms, measured).
+    # In bf16/fp16 SDPA's CPU kernel is slower than matmuls, and matmuls per KV head (3-row queries, keys
+    # transposed into a copy) run erratically. So every query head takes one matmul over all KV heads' keys at
+    # once, [length, kv heads * dim], with a block-diagonal query matrix that zeroes the other groups' products: 3x
+    # the FLOPs of the grouped form (tiny here), no copy of the keys, and a shape the CPU kernels do well
+    # (docs/performance/tuning.md).
     b, heads, dim = q.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
@@ -176,7 +176,7 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
         out[:b] = torch.ops.tokenmill.paged_decode_attention(q[:b], k_cache, v_cache, tables, meta.decode_lengths,
                                                              scale, window)
     elif b:
-        # index_select, not advanced indexing: 2.5x faster for this gather on CPU (measured)
+        # index_select, not advanced indexing: the faster gather on CPU
         keys = k_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
         values = v_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
         mask = _key_mask(meta.decode_lengths, keys.shape[1], window)

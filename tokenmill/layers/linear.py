@@ -2,8 +2,7 @@
 in quantized Linears).
 
 oneDNN reorders a weight into its own blocked layout on every plain matmul call; PackedLinear has it done once, at
-load. Measured on a 2-core Zen 4 (torch 2.13): bf16 matmuls 1.1-3.7x faster at 1-2048 rows (the output head at 32
-rows: 8.5 -> 5.2 ms) with bitwise the same results, fp32 1.2-6.7x faster.
+load, for bitwise the same results several times faster (docs/performance/tuning.md).
 
 On a GPU, project() and RMSNorm.norm_linear send a one-row matmul of a plain Linear, and one of up to 8 rows of a
 quantized one, to tokenmill's row_matmul kernel (kernels/gpu.py), the norm or SwiGLU before it fused in.
@@ -20,7 +19,7 @@ from tokenmill import cpu
 from tokenmill.kernels import gpu
 from tokenmill.layers.quantized import GpuQuantizedLinear
 
-# The row count oneDNN picks the layout for; measured: the layout chosen for 32 serves 1 to 2048 rows well.
+# The row count oneDNN picks the layout for: the layout chosen for 32 serves 1 to 2048 rows well.
 PACK_FOR_ROWS = 32
 
 

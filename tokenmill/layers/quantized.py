@@ -165,9 +165,9 @@ class QuantizedWeight:
                                           parts[0].sub)
 
 
-# From this many rows a step runs the dense copy where there is one (bf16 on an AMX CPU by default, registry.py).
-# Measured on SmolLM2, 2-core AVX2 Zen 3, fp32, with the kernel of one row at a time: the kernel 1.35x faster than
-# dense over HTTP at 8 streams; at 32 rows the matmuls 1.36 ms a call quantized against 0.81 ms dense.
+# From this many rows a step runs the dense copy where there is one (bf16 on an AMX CPU by default, registry.py):
+# the matmul library beat an earlier quantized kernel from about there; not measured again against today's
+# (docs/performance/tuning.md).
 DENSE_FROM_ROWS = 32
 
 
@@ -177,10 +177,8 @@ class QuantizedLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.dense: nn.Module | None = None  # a dequantized (prepacked) copy for many-row steps, memory allowing
-        # Without one: steps of this many rows or more dequantize the matrix for the matmul library (0: never).
-        # Measured on a 1.1B model's 11264 x 2048 Q4_0 gate|up, 2-core Zen 4, the interleaved kernel against
-        # dequantizing + bf16 matmul: 128 rows 9.7 vs 41 ms, 512 rows 42 vs 87, 1024 rows 95 vs 126 (fp32: 38 vs
-        # 183 at 512). Off by default; it may pay where AMX runs the matmul (unmeasured).
+        # Without one: steps of this many rows or more dequantize the matrix for the matmul library (0: never, the
+        # default: the kernel was faster at every row count measured; docs/performance/tuning.md).
         self.dequantize_from_rows = 0
         # Steps of this many rows or more run on AMX tiles in bf16 (kernels/tiles.cpp; 0: never): models/registry.py
         # sets it for a bf16 model on a CPU with AMX.

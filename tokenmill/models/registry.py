@@ -23,19 +23,17 @@ from tokenmill.models.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 # The dense copies' budget by default, for bf16 on a CPU with AMX whose tiles are not run by our kernel
-# (--amx-from-rows 0), where oneDNN's tile matmuls on the copies beat the integer kernel. Elsewhere none: on a 2-core
-# Zen 4 the kernel was as fast as oneDNN's bf16 matmuls or faster from 16 to 1024 rows (SmolLM2's and a 1.1B
-# model's matrices; 1.6-3x faster than fp32 ones), and dense copies take 2-4x the quantized weights' memory.
+# (--amx-from-rows 0), where oneDNN's tile matmuls on the copies beat the integer kernel. Elsewhere none: the kernel
+# is as fast as the matmul library or faster, and copies take 2-4x the quantized weights' memory
+# (docs/performance/tuning.md).
 AUTO_DENSE_BUDGET = 1 << 30
 
 # From this many rows a bf16 model's steps run its quantized matrices on AMX tiles by default (kernels/tiles.cpp),
-# and then no dense copies are made by default. Measured on a 1.1B model's 11264 x 2048 gate|up, 2-core Sapphire
-# Rapids, the tiles against the interleaved kernel: Q4_0 16 rows 1.51 vs 1.32 ms, 24 rows 2.23 vs 2.66, 32 rows 2.0
-# vs 2.7, 512 rows 26 vs 51 (oneDNN's bf16 matmul on a dense copy 24); Q6_K 16 rows 2.55 vs 2.32, 32 rows 2.2 vs 4.4.
+# and then no dense copies are made by default: from about there the tiles beat the integer kernel
+# (docs/performance/tuning.md).
 AUTO_TILES_FROM_ROWS = 24
 # bf16 weights (kept for the kernels: bf16_kernels) are the tiles themselves, nothing to dequantize: every step runs
-# on them by default. Measured on SmolLM2's layers, 2-core Sapphire Rapids, against the fp32 kernel on the same
-# weights: 1 row as fast (~11 ms the 30 layers), 8 rows 11 vs 15-24 ms, 16 rows 11 vs 24-42 ms.
+# on them by default (as fast as the fp32 kernel at one row, faster from 8: docs/performance/tuning.md).
 AUTO_BF16_TILES_FROM_ROWS = 1
 
 
