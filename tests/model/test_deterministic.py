@@ -14,6 +14,7 @@ import torch
 from helpers import assert_no_live_blocks, counted, generate, start_engine, submit
 
 from tokenmill import kernels
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import WeightPlan
 from tokenmill.engine.engine import Engine
@@ -154,7 +155,7 @@ def _last_logits(loaded: LoadedModel, ids: list[int], chunk: int) -> torch.Tenso
     with torch.inference_mode():
         for start in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - start)
-            meta = cache.prepare([SequenceSlice(0, start, n)])
+            meta = metadata.prepare(cache, [SequenceSlice(0, start, n)])
             hidden = loaded.model(torch.tensor(ids[start:start + n]), torch.arange(start, start + n), meta)
         return loaded.model.compute_logits(hidden[-1:])[0]
 

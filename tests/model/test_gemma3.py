@@ -20,6 +20,7 @@ from helpers import (
     write_gguf,
 )
 
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import WeightPlan
 from tokenmill.engine.request import SequenceOutput
@@ -136,7 +137,7 @@ def last_logits(loaded: LoadedModel, ids: list[int], chunks: list[int]) -> torch
     start = 0
     with torch.inference_mode():
         for n in chunks:
-            meta = cache.prepare([SequenceSlice(0, start, n)])
+            meta = metadata.prepare(cache, [SequenceSlice(0, start, n)])
             hidden = loaded.model(torch.tensor(ids[start:start + n]), torch.arange(start, start + n), meta)
             start += n
         assert start == len(ids)

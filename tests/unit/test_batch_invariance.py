@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.engine.engine import Engine
@@ -48,12 +49,13 @@ def test_every_row_gets_its_sequence_table_and_the_keys_up_to_its_position() -> 
     cache = PagedKVCache(KVSpec(1, 1, 4, torch.float32), torch.device("cpu"), num_blocks=8, block_size=4,
                          per_row_attention=True)
     assert cache.reserve(0, 7, 7) and cache.reserve(1, 3, 3)
-    meta = cache.prepare([SequenceSlice(0, 6, 1), SequenceSlice(1, 0, 3)])  # a decode, then a prompt of three
+    meta = metadata.prepare(cache, [SequenceSlice(0, 6, 1), SequenceSlice(1, 0, 3)])  # a decode, then a prompt of three
     tables = [cache.tables[0], cache.tables[1] + [0]]  # padded with the null block to the longest
     assert meta.row_tables is not None and meta.row_lengths is not None
     assert meta.row_tables.tolist() == [tables[0], tables[1], tables[1], tables[1]]
     assert meta.row_lengths.tolist() == [7, 1, 2, 3]
-    assert PagedKVCache(KVSpec(1, 1, 4, torch.float32), torch.device("cpu"), 8, 4).prepare([]).row_tables is None
+    assert metadata.prepare(PagedKVCache(KVSpec(1, 1, 4, torch.float32), torch.device("cpu"), 8, 4), []).row_tables \
+        is None
 
 
 def test_the_mode_refuses_what_it_cannot_keep(tiny_gguf, monkeypatch) -> None:

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as QType  # noqa: E402
 from helpers import count_gpu_kernels, random_blocks, without_pdl_waits, write_tiny_gguf  # noqa: E402
 
 from tokenmill import backend  # noqa: E402
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache  # noqa: E402
 from tokenmill.config import WeightPlan
 from tokenmill.kernels import gpu  # noqa: E402
@@ -351,9 +352,9 @@ def test_the_prefill_batch_of_a_step_drives_the_kernel_to_the_per_chunk_result(d
     cache.k.normal_()
     cache.v.normal_()
     slices = [SequenceSlice(0, 49, 1), SequenceSlice(1, 19, 1), SequenceSlice(2, 40, 60), SequenceSlice(3, 0, 33)]
-    meta = cache.prepare(slices)
+    meta = metadata.prepare(cache, slices)
     assert meta.prefill_batch is None and len(meta.prefills) == 2  # the CPU's way
-    batch = cache._prefill_batch(cache.full, slices[2:])
+    batch = metadata._prefill_batch(cache, cache.full, slices[2:])
     assert batch.starts.tolist() == [40, 0] and batch.rows.tolist() == [0, 60, 93]
     assert batch.block_seq.tolist() == [0, 0, 1, 1] and batch.block_row.tolist() == [0, 32, 0, 32]
     q = torch.randn(95, 4, 32)

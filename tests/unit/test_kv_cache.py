@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.cache.sizing import build_kv_cache
 from tokenmill.config import EngineConfig
@@ -26,7 +27,7 @@ def test_the_sliding_pool_lets_go_of_the_blocks_its_window_has_passed() -> None:
         table = cache.sliding.tables[0]
         first = (computed - 6 + 1) // BLOCK if computed >= 6 else 0  # the first block the window sees
         assert table[:first] == [0] * first and all(table[first:]) and len(cache.sliding.live) <= 3
-        meta = cache.prepare([SequenceSlice(0, computed, 1)])
+        meta = metadata.prepare(cache, [SequenceSlice(0, computed, 1)])
         assert meta.of_layer(1) == (meta, 0) and meta.of_layer(2) == (meta.sliding, 1)
         assert meta.sliding is not None
         block, offset = divmod(computed, BLOCK)

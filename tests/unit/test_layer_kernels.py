@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QType
 from helpers import tiny_metadata, tiny_tensors, write_gguf
 
 from tokenmill import kernels
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import PagedKVCache
 from tokenmill.cache.sizing import KVSpec
 from tokenmill.config import WeightPlan
@@ -138,14 +139,15 @@ def decode_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int,
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
             assert cache.reserve(i, len(prompt), len(prompt) + steps)
-            model(torch.tensor(prompt), torch.arange(len(prompt)), cache.prepare([SequenceSlice(i, 0, len(prompt))]))
+            meta = metadata.prepare(cache, [SequenceSlice(i, 0, len(prompt))])
+            model(torch.tensor(prompt), torch.arange(len(prompt)), meta)
         for step in range(steps):
             slices = [SequenceSlice(i, len(p) + step, 1) for i, p in enumerate(prompts)]
             for i, p in enumerate(prompts):
                 assert cache.reserve(i, len(p) + step + 1, len(p) + steps, len(p) + step)
             ids = torch.tensor([(7 * step + i) % 250 + 3 for i in range(len(prompts))])
             positions = torch.tensor([s.start for s in slices])
-            out.append(model(ids, positions, cache.prepare(slices)))
+            out.append(model(ids, positions, metadata.prepare(cache, slices)))
     return out
 
 

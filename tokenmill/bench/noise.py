@@ -35,6 +35,7 @@ import torch
 from tokenmill import backend, cpu
 from tokenmill.api.engine_client import EngineClient, RequestStream
 from tokenmill.bench.agree import PROMPTS
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.engine.engine import Engine
@@ -106,7 +107,7 @@ def prefill_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     cache = PagedKVCache(spec, loaded.device, num_blocks=len(ids) // 16 + 1, block_size=16)
     assert cache.reserve(0, len(ids), len(ids))
     with torch.inference_mode():
-        meta = cache.prepare([SequenceSlice(0, 0, len(ids))])
+        meta = metadata.prepare(cache, [SequenceSlice(0, 0, len(ids))])
         dev = loaded.device
         hidden = loaded.model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), meta)
         return loaded.model.compute_logits(hidden).cpu()

@@ -4,23 +4,19 @@
   block, so memory follows what is actually used.
 - contiguous: one buffer per sequence, reserved for its whole possible length (prompt + max_tokens) when admitted.
 
-Both answer the scheduler (reserve, free, capacity, usage) and the runner (prepare: a step's attention metadata).
+Both answer the scheduler (reserve, free, capacity, usage) and keep their bookkeeping (block tables, buffers);
+cache/metadata.py turns it into a step's attention metadata for the kernels that run it.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from tokenmill import backend
 from tokenmill.cache.block_pool import BlockPool
 from tokenmill.cache.prefix_cache import RadixCache
-from tokenmill.kernels import gpu
-from tokenmill.layers.attention import ContiguousMetadata, PagedMetadata, PrefillBatch, SequenceSlice
 
 
 @dataclass(frozen=True)
@@ -49,7 +45,7 @@ class KVSpec:
 
 
 @dataclass
-class _Pool:
+class Pool:
     """A pool of blocks and the KV of the layers stored in it, [layers, blocks + 2, block size, kv heads, dim]. Block
     0 is the null block: never allocated, always zero, the padding of block tables (and a sliding table's entry for
     a block its window has passed). Masked keys get zero attention weight, but 0 * NaN is NaN, so padding must never
@@ -63,9 +59,9 @@ class _Pool:
     live: Counter[int] = field(default_factory=Counter)  # block -> how many live sequences' tables hold it
 
     @staticmethod
-    def build(spec: KVSpec, num_layers: int, num_blocks: int, block_size: int, device: torch.device) -> _Pool:
+    def build(spec: KVSpec, num_layers: int, num_blocks: int, block_size: int, device: torch.device) -> Pool:
         shape = (num_layers, num_blocks + 2, block_size, spec.num_kv_heads, spec.head_dim)
-        return _Pool(BlockPool(num_blocks, first_block=1), torch.zeros(shape, dtype=spec.dtype, device=device),
+        return Pool(BlockPool(num_blocks, first_block=1), torch.zeros(shape, dtype=spec.dtype, device=device),
                      torch.zeros(shape, dtype=spec.dtype, device=device))
 
     @property
@@ -94,8 +90,8 @@ class PagedKVCache:
         self.per_row_attention = per_row_attention
         sliding = spec.sliding_layers if sliding_blocks and spec.num_sliding else (False,) * spec.num_layers
         self.window = spec.window if any(sliding) else 0
-        self.full = _Pool.build(spec, sliding.count(False), num_blocks, block_size, device)
-        self.sliding = _Pool.build(spec, sliding.count(True), sliding_blocks, block_size, device) \
+        self.full = Pool.build(spec, sliding.count(False), num_blocks, block_size, device)
+        self.sliding = Pool.build(spec, sliding.count(True), sliding_blocks, block_size, device) \
             if self.window else None
         # Each layer's pool (True: the sliding one) and its index among that pool's layers.
         self.layer_pools = tuple((slides, sliding[:i].count(slides)) for i, slides in enumerate(sliding))
@@ -124,7 +120,7 @@ class PagedKVCache:
         return self.full.scratch_slot
 
     @property
-    def pools(self) -> list[_Pool]:
+    def pools(self) -> list[Pool]:
         return [self.full] if self.sliding is None else [self.full, self.sliding]
 
     @property
@@ -212,88 +208,6 @@ class PagedKVCache:
                 if block:
                     pool.release(block)
 
-    def prepare(self, slices: list[SequenceSlice]) -> PagedMetadata:
-        decodes = [s for s in slices if s.num_tokens == 1 or s.as_decodes]
-        assert all(s.num_tokens == 1 or s.as_decodes for s in slices[:len(decodes)]), "decodes must lead the batch"
-        device = self.device
-        lengths = torch.tensor([p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)],
-                               dtype=torch.long, device=device)
-        row_lengths = None
-        if self.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
-            row_lengths = torch.tensor([p + 1 for s in slices for p in range(s.start, s.start + s.num_tokens)],
-                                       dtype=torch.long, device=device)
-        return self.joined([self._view(pool, slices, decodes, lengths, row_lengths) for pool in self.pools])
-
-    def joined(self, views: list[PagedMetadata]) -> PagedMetadata:
-        """One step's views of each pool (in self.pools' order) as the metadata the model takes."""
-        meta, *sliding = views
-        if sliding:
-            meta.sliding, meta.layer_pools = sliding[0], self.layer_pools
-        return meta
-
-    def _view(self, pool: _Pool, slices: list[SequenceSlice], decodes: list[SequenceSlice], lengths: torch.Tensor,
-              row_lengths: torch.Tensor | None) -> PagedMetadata:
-        """The step over one pool; lengths and row_lengths: the keys each decode row, and each row, sees."""
-        chunks = slices[len(decodes):]
-        device = self.device
-        # On CUDA with the GPU kernels every prefill chunk of the step attends in one launch.
-        batch = self._prefill_batch(pool, chunks) if chunks and backend.gpu_kernels(device) else None
-        return PagedMetadata(
-            k_cache=pool.k, v_cache=pool.v, slot_mapping=self._slots(pool, slices), num_decodes=len(lengths),
-            decode_tables=self._row_tables(pool, decodes).flatten(), decode_lengths=lengths,
-            prefills=[] if batch else [(s, torch.tensor(pool.tables[s.seq_id], device=device)) for s in chunks],
-            prefill_batch=batch, row_tables=None if row_lengths is None else self._row_tables(pool, slices),
-            row_lengths=row_lengths)
-
-    def _slots(self, pool: _Pool, slices: list[SequenceSlice]) -> torch.Tensor:
-        """Where each new token's K/V goes in the pool's flattened tensors."""
-        bs = self.block_size
-        slots: list[int] = []
-        for s in slices:
-            table = pool.tables[s.seq_id]
-            slots += [table[p // bs] * bs + p % bs for p in range(s.start, s.start + s.num_tokens)]
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
-
-    def _row_tables(self, pool: _Pool, slices: list[SequenceSlice]) -> torch.Tensor:
-        """Each slice's table (padded) once for every one of its rows, on the device."""
-        rows = torch.tensor([s.num_tokens for s in slices], dtype=torch.long)
-        return self._padded_tables(pool, slices).repeat_interleave(rows, dim=0).to(self.device)
-
-    def _prefill_batch(self, pool: _Pool, chunks: list[SequenceSlice]) -> PrefillBatch:
-        """The step's prefill chunks as one batch for the GPU kernel, over the pool."""
-        block_seq, block_row = gpu.prefill_blocks([s.num_tokens for s in chunks])
-        rows = [0, *itertools.accumulate(s.num_tokens for s in chunks)]
-        small = torch.tensor([s.start for s in chunks] + rows + block_seq + block_row, dtype=torch.long)
-        small = small.to(self.device, non_blocking=True).split([len(chunks), len(rows), len(block_seq), len(block_row)])
-        return PrefillBatch(self._padded_tables(pool, chunks).to(self.device, non_blocking=True), *small)
-
-    def decode_rows(self, seq_ids: list[int], positions: list[int], tables: np.ndarray) -> list[list[int]]:
-        """A decode step's rows for a CUDA graph's inputs (engine/graphs.py): each sequence's block table of each pool
-        written into tables [pools, >= rows, width] (null-padded); returns each pool's slots of the rows' new
-        tokens."""
-        bs = self.block_size
-        slots = []
-        for pool, out in zip(self.pools, tables, strict=False):
-            own = [pool.tables[seq_id] for seq_id in seq_ids]
-            out[:len(own)] = 0
-            _fill_rows(out, own)
-            slots.append([table[p // bs] * bs + p % bs for table, p in zip(own, positions, strict=True)])
-        return slots
-
-    def _padded_tables(self, pool: _Pool, slices: list[SequenceSlice]) -> torch.Tensor:
-        """[slices, longest table] block ids, padded with the null block."""
-        own = [pool.tables[s.seq_id] for s in slices]
-        tables = torch.zeros(len(own), max(map(len, own), default=1), dtype=torch.long)
-        _fill_rows(tables.numpy(), own)
-        return tables
-
-
-def _fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
-    """out[i, :len(rows[i])] = rows[i] for every i: a numpy row write from a list, the cheapest way found to fill a
-    step's tables (docs/performance/tuning.md)."""
-    for row, ids in zip(out, rows, strict=False):  # out may have more rows (a graph's, padded)
-        row[:len(ids)] = ids
-
 
 class ContiguousKVCache:
     def __init__(self, spec: KVSpec, device: torch.device, capacity_tokens: int) -> None:
@@ -338,9 +252,6 @@ class ContiguousKVCache:
         buffer = self.buffers.pop(seq_id, None)
         if buffer is not None:
             self._reserved -= buffer.shape[2]
-
-    def prepare(self, slices: list[SequenceSlice]) -> ContiguousMetadata:
-        return ContiguousMetadata(slices, [self.buffers[s.seq_id] for s in slices])
 
 
 KVCache = PagedKVCache | ContiguousKVCache

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import PagedKVCache
 from tokenmill.engine.request import Sequence
 from tokenmill.layers.attention import SequenceSlice
@@ -71,7 +72,7 @@ class DraftModelProposer:
         slices = [SequenceSlice(seq_id, start, len(fed), as_decodes=len(fed) <= DECODE_ROWS)
                   for seq_id, fed, start in feeds]
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                            self.kv_cache.prepare(slices))
+                            metadata.prepare(self.kv_cache, slices))
         last = torch.tensor([len(fed) for _, fed, _ in feeds], device=self.device).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[last])[:, :self.vocab_size]
         return logits.argmax(-1).tolist()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import PagedKVCache
 from tokenmill.layers.attention import PagedMetadata
 from tokenmill.models.registry import CausalLM
@@ -74,7 +75,7 @@ class DecodeGraphs:
         size = self.size_for(rows)
         assert size is not None, f"a decode step of {rows} rows has no graph"
         staged = self._staged
-        staged[3:, :rows] = self.kv_cache.decode_rows(seq_ids, positions, self._staged_tables)
+        staged[3:, :rows] = metadata.decode_rows(self.kv_cache, seq_ids, positions, self._staged_tables)
         staged[0, :rows] = input_ids
         staged[1, :rows] = positions
         np.add(staged[1, :rows], 1, out=staged[2, :rows])  # key counts
@@ -95,7 +96,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         kv = self.kv_cache
-        meta = kv.joined([PagedMetadata(
+        meta = metadata.joined(kv, [PagedMetadata(
             k_cache=pool.k, v_cache=pool.v, slot_mapping=self.inputs[3 + i, :size], num_decodes=size,
             decode_tables=self.tables[i, :size].view(-1), decode_lengths=self.inputs[2, :size], prefills=[])
             for i, pool in enumerate(kv.pools)])

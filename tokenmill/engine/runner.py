@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.engine.graphs import DecodeGraphs
 from tokenmill.engine.request import Sequence
@@ -54,7 +55,7 @@ class ModelRunner:
                                     min(end, len(seq.prompt_ids) - 1) - start))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_cache.prepare(slices))
+        hidden = self.model(ids, pos, metadata.prepare(self.kv_cache, slices))
         for item, first, end in pooled:
             self._pool(item, hidden[first:end])
         for seq, first, position, count in prompt_rows:
