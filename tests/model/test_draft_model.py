@@ -5,7 +5,6 @@ test_speculative.py)."""
 
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
 
@@ -160,22 +159,6 @@ def test_a_draft_must_be_named_and_share_the_vocabulary(target, tiny_gguf, smoll
     with pytest.raises(ConfigError, match=rf"^--draft-model {re.escape(str(smollm_path))}: its vocabulary is not the "
                                           r"model's \(a draft's tokens must mean what the model's do\)$"):
         start_engine(target, speculative="draft", draft_model=str(smollm_path))
-
-
-def test_the_drafts_pool_holds_speculative_max_seqs_contexts_and_their_guesses(
-        tiny4k: LoadedModel, tiny4k_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """8 contexts of 4096 tokens (2048 blocks of 16) and room for each one's 20 guesses (2 blocks), said in one log
-    line; the draft proposes within the vocabulary's tokens."""
-    with caplog.at_level(logging.INFO, logger="tokenmill.engine.builder"):
-        engine = start_engine(tiny4k, speculative="draft", draft_model=str(tiny4k_gguf), dtype="float32",
-                              speculative_max_seqs=8, num_speculative_tokens=20)
-    try:
-        draft = engine.proposer
-        assert isinstance(draft, DraftModelProposer) and draft.vocab_size == 259
-        assert draft.kv_cache.pool.num_blocks == 2048 + 8 * 2
-        assert "draft model tiny.gguf: its KV pool 0.02 GiB for 33024 tokens" in caplog.messages
-    finally:
-        engine.stop()
 
 
 def test_a_draft_trained_on_a_shorter_context_still_drafts(tiny_gguf, tmp_path) -> None:
