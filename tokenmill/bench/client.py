@@ -142,21 +142,19 @@ class _Run:
 
 
 async def _conversation(run: _Run, conv: Conversation) -> None:
-    client, cfg, model, params, slots, t0, records, bar = (run.client, run.cfg, run.model, run.params, run.slots,
-                                                           run.t0, run.records, run.bar)
-    await asyncio.sleep(conv.arrival - (time.perf_counter() - t0))
-    async with slots:
+    await asyncio.sleep(conv.arrival - (time.perf_counter() - run.t0))
+    async with run.slots:
         messages = [{"role": "system", "content": conv.system}] if conv.system else []
         for turn, user in enumerate(conv.turns, 1):
             messages.append({"role": "user", "content": user})
-            body = _body(cfg, model, messages, params.output_len, params.seed + conv.index)
-            record = RequestRecord(conv.index, turn, time.perf_counter() - t0)
-            records.append(record)
-            reply = await _request(client, cfg, body, record, t0)
-            bar.update()
+            body = _body(run.cfg, run.model, messages, run.params.output_len, run.params.seed + conv.index)
+            record = RequestRecord(conv.index, turn, time.perf_counter() - run.t0)
+            run.records.append(record)
+            reply = await _request(run.client, run.cfg, body, record, run.t0)
+            run.bar.update()
             if not record.ok:
-                bar.set_postfix(failed=sum(not r.ok for r in records))
-                bar.update(len(conv.turns) - turn)  # the rest of this conversation is not sent
+                run.bar.set_postfix(failed=sum(not r.ok for r in run.records))
+                run.bar.update(len(conv.turns) - turn)  # the rest of this conversation is not sent
                 return
             messages.append({"role": "assistant", "content": reply})
 

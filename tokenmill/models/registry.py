@@ -91,7 +91,7 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
                  "row tiles; one attention kernel for prefill and decode")
     else:
         quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-        tiles = _use_tiles(quantized, dtype, plan.tiles_from_rows)
+        tiles = _use_tiles(quantized, dtype, device, plan.tiles_from_rows)
         # bf16 weights are a dense bf16 matrix already: a copy would only double them
         _add_dense_copies([m for m in quantized if m.weight.bits < 16], dtype, plan.dense_budget,
                           plan.dequantize_from_rows, tiles)
@@ -121,7 +121,8 @@ def check_deterministic(device: torch.device) -> None:
                           "why): torch's own attention and matmuls are not batch-invariant")
 
 
-def _use_tiles(quantized: list[QuantizedLinear], dtype: torch.dtype, tiles_from_rows: int | None) -> bool:
+def _use_tiles(quantized: list[QuantizedLinear], dtype: torch.dtype, device: torch.device,
+               tiles_from_rows: int | None) -> bool:
     """Run steps of tiles_from_rows rows or more on AMX tiles, where they can; whether they do."""
     if tiles_from_rows is not None and tiles_from_rows < 0:
         raise ConfigError(f"--amx-from-rows {tiles_from_rows}: a row count, or 0 for never")
@@ -130,7 +131,7 @@ def _use_tiles(quantized: list[QuantizedLinear], dtype: torch.dtype, tiles_from_
     why = None
     if dtype != torch.bfloat16:
         why = f"they multiply in bf16 and the model runs in {str(dtype).removeprefix('torch.')}"
-    elif not backend.tiles(torch.device("cpu")):
+    elif not backend.tiles(device):
         why = "this CPU or build has none"
     if why:
         if tiles_from_rows is not None:  # asked for: say why not
