@@ -91,7 +91,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "A/B switches and kernel tuning": ("chunked_prefill", "long_prefill_token_threshold", "long_prefill_chunk", "kv",
                                        "block_size", "prefix_caching", "sliding_window_kv", "prepack_weights",
                                        "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
-                                       "amx_from_rows", "bf16_kernels", "fused_decode_layers", "enforce_eager",
+                                       "amx_from_rows", "bf16_kernels", "fused_decode_layers", "cpu_prefill_attention",
+                                       "enforce_eager",
                                        "gpu_row_matmul", "gpu_pdl"),
 }
 
@@ -159,6 +160,9 @@ class EngineConfig:
                                              "or bf16; of fewer than 32 rows where dense copies exist) run each "
                                              "decoder layer as one C++ op on fp32 rows, whatever the dtype (off: one "
                                              "op per norm, projection, RoPE, attention...)")
+    cpu_prefill_attention: bool = option(True, "on CPU, prompt chunks attend through tokenmill's flash-attention "
+                                               "kernel, straight from the paged KV pool (off: torch's SDPA over "
+                                               "keys gathered from it, with a mask)")
     enforce_eager: bool = option(False, "on CUDA, run decode steps op by op instead of replaying CUDA graphs (one "
                                         "per batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs, captured at "
                                         "start-up)")

@@ -101,3 +101,89 @@ def test_a_sliding_window_prefill_sees_the_window_up_to_each_query(start: int, n
     lengths = [start + i + 1 for i in range(n)]
     expected = reference(q, keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), lengths, dim**-0.5, window)
     assert (out.double() - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(3, 3, 64), (9, 3, 64), (8, 2, 128), (4, 1, 256),
+                                                        (10, 2, 80), (7, 1, 48)])
+@pytest.mark.parametrize("window", [0, 300])
+def test_long_contexts_split_in_chunks_merge_to_the_whole_softmax(heads: int, kv_heads: int, dim: int,
+                                                                   window: int) -> None:
+    """Keys past one chunk (kernels/attention.cpp's kChunk, 256) are attended by several tasks whose partial
+    softmaxes merge: lengths just under, at and past chunk edges, groups of 1 to 5 query heads a KV head (4 and more
+    take several passes over the keys), dims the vector paths take and those they leave to plain loops."""
+    torch.manual_seed(4)
+    block, lengths = 16, [1, 255, 256, 257, 700, 1100]
+    width = -(-max(lengths) // block)
+    b = len(lengths)
+    keys = torch.randn(b, width * block, kv_heads, dim)
+    values = torch.randn(b, width * block, kv_heads, dim)
+    # A few keys with scores far above the rest, in one chunk only: the merge must rescale the other chunks' sums.
+    keys[4, 600] *= 8
+    pool_k = torch.full((b * width + 1, block, kv_heads, dim), 1e4)
+    pool_v = torch.full((b * width + 1, block, kv_heads, dim), -1e4)
+    tables = (torch.randperm(b * width) + 1).view(b, width)
+    for i in range(b):
+        pool_k[tables[i]] = keys[i].view(width, block, kv_heads, dim)
+        pool_v[tables[i]] = values[i].view(width, block, kv_heads, dim)
+    q = torch.randn(b, heads, dim)
+    expected = reference(q, keys, values, lengths, dim**-0.5, window)
+    out = torch.ops.tokenmill.paged_decode_attention(q, pool_k, pool_v, tables, torch.tensor(lengths), dim**-0.5,
+                                                     window)
+    assert (out.double() - expected).abs().max().item() < 1e-5
+    # Each row alone gives the same bits as in the batch: the chunks depend on its length, not on what runs beside.
+    for i in (3, 5):
+        alone = torch.ops.tokenmill.paged_decode_attention(q[i:i + 1], pool_k, pool_v, tables[i:i + 1],
+                                                           torch.tensor(lengths[i:i + 1]), dim**-0.5, window)
+        assert torch.equal(alone[0], out[i])
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.ops.tokenmill.paged_decode_attention(q.to(dtype), pool_k.to(dtype), pool_v.to(dtype), tables,
+                                                         torch.tensor(lengths), dim**-0.5, window)
+        low = reference(q.to(dtype), keys.to(dtype), values.to(dtype), lengths, dim**-0.5, window)
+        assert (out.double() - low).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 1, 256), (3, 3, 48),
+                                                        (4, 2, 40)])
+@pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 70), (5, 33), (130, 100)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_the_prefill_kernel_attends_each_row_to_its_keys(heads: int, kv_heads: int, dim: int, start: int, n: int,
+                                                         window: int) -> None:
+    """kernels/attention_prefill.cpp: a prompt chunk of n rows at positions start.. over the pool (a cached prefix
+    before it, scattered blocks, garbage past the last key), causal and with a sliding window, against each row as
+    a float64 reference over the keys it sees: chunks within one tile of rows and across several, key tiles cut by
+    the diagonal and the window, head dims the vector path takes (64, 128, 256, 48 on AVX2) and one it leaves to
+    the decode kernel's loops (40)."""
+    torch.manual_seed(5)
+    block = 16
+    width = -(-(start + n) // block) + 1
+    keys = torch.randn(width * block, kv_heads, dim)
+    values = torch.randn(width * block, kv_heads, dim)
+    keys[start + n:], values[start + n:] = 1e4, -1e4  # past the last row: never seen
+    table = torch.randperm(3 * width)[:width] + 1
+    pool_k = torch.full((3 * width + 1, block, kv_heads, dim), float("nan"))
+    pool_v = torch.full((3 * width + 1, block, kv_heads, dim), float("nan"))
+    pool_k[table], pool_v[table] = keys.view(width, block, kv_heads, dim), values.view(width, block, kv_heads, dim)
+    q = torch.randn(n, heads, dim)
+    lengths = [start + i + 1 for i in range(n)]
+    expected = reference(q, keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), lengths, dim**-0.5, window)
+    out = torch.ops.tokenmill.paged_prefill_attention(q, pool_k, pool_v, table, start, dim**-0.5, window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert (out.double() - expected).abs().max().item() < 1e-5
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.ops.tokenmill.paged_prefill_attention(q.to(dtype), pool_k.to(dtype), pool_v.to(dtype), table,
+                                                          start, dim**-0.5, window)
+        low = reference(q.to(dtype), keys.to(dtype).expand(n, -1, -1, -1), values.to(dtype).expand(n, -1, -1, -1),
+                        lengths, dim**-0.5, window)
+        assert (out.double() - low).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+def test_the_prefill_kernel_refuses_a_table_too_short_for_its_rows() -> None:
+    pool = torch.zeros(4, 16, 1, 64)
+    q = torch.zeros(20, 2, 64)
+    with pytest.raises(RuntimeError, match="past their block table"):
+        torch.ops.tokenmill.paged_prefill_attention(q, pool, pool, torch.tensor([1]), 0, 0.125, 0)
+    with pytest.raises(RuntimeError, match="a block outside the pool"):
+        torch.ops.tokenmill.paged_prefill_attention(q, pool, pool, torch.tensor([1, 9]), 0, 0.125, 0)

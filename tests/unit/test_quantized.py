@@ -348,6 +348,24 @@ def test_the_kernel_multiplies_bf16_weights_in_fp32(rows: int, out: int) -> None
     assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("rows", [1, 5, 8, 19, 300])
+@pytest.mark.parametrize("out", [40, 64])
+def test_bf16_rows_on_bf16_weights_are_the_exact_products_summed_in_fp32(rows: int, out: int) -> None:
+    """A bf16 model's rows, as they are, times its bf16 weights (vdpbf16ps where the CPU has AVX512-BF16, else
+    each widened): every product exact, summed in fp32, rounded once to bf16; with 19 rows, tiles of 8 rows and a
+    partial one; 300: blocks of rows."""
+    w = bf16_matrix(out, 512, seed=rows)
+    weight = QuantizedWeight.from_dense(w)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    exact = x.double() @ w.double().T
+    got = quantized_linear(x, weight, 0)
+    assert got.shape == (rows, out) and got.dtype == torch.bfloat16
+    # fp32 sums of 512 exact products, then one rounding to bf16 (2^-9 of the value)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * exact.abs().max()).all()
+    assert torch.equal(got[:1], quantized_linear(x[:1], weight, 0))  # a row's result whatever the rows beside it
+
+
 @needs_tiles
 @pytest.mark.parametrize(("rows", "out"), [(1, 48), (17, 40), (40, 64), (70, 16), (300, 40)])
 def test_the_tiles_read_bf16_weights_where_they_lie(rows: int, out: int) -> None:

@@ -68,6 +68,21 @@ async def _prefill(engine: Engine, vocab: int, seed: int) -> float:
     return 8 * 1000 / (time.perf_counter() - started)
 
 
+async def _long(engine: Engine, length: int, tokens: int, seed: int) -> tuple[float, float]:
+    """One stream after a prompt of `length` random tokens (no prefix-cache hit): seconds to its first token, and
+    the median milliseconds between the tokens that follow (each step's attention reads the whole context)."""
+    vocab = engine.tokenizer.vocab_size
+    prompt = torch.randint(1000, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    (stream,) = EngineClient(engine).submit([prompt], params)
+    started = time.perf_counter()
+    times: list[float] = []
+    async for out in stream:
+        times += [time.perf_counter()] * len(out.token_ids)
+    gaps = [(b - a) * 1e3 for a, b in zip(times[1:], times[2:], strict=False)]  # the second token may share a step
+    return times[0] - started, statistics.median(gaps)
+
+
 class _StepProbe:
     """Wraps the engine's step and its parts, on the engine thread: the wall time of each part a step (schedule,
     the runner's launch, sampling, which waits for the GPU, update, emit), the GPU's time between the runner's
@@ -184,6 +199,7 @@ class Timing:
     prefill: bool = False
     profile: bool = False
     threads: int | None = None
+    long: int = 0
 
 
 def measure(config: EngineConfig, timing: Timing) -> dict:
@@ -216,6 +232,9 @@ def measure(config: EngineConfig, timing: Timing) -> dict:
             vocab = engine.tokenizer.vocab_size
             asyncio.run(_prefill(engine, vocab, runs))  # warm-up: the prefill kernels compile for their shapes
             result["prefill"] = [asyncio.run(_prefill(engine, vocab, seed)) for seed in range(runs)]
+        if timing.long:
+            asyncio.run(_long(engine, timing.long, 8, runs))  # warm-up
+            result["long"] = [asyncio.run(_long(engine, timing.long, tokens, seed)) for seed in range(runs)]
         if timing.profile:
             result["profile"] = _profile(engine, prompt_ids)
         return result
@@ -235,6 +254,8 @@ def main() -> None:
     parser.add_argument("--graphs", choices=["on", "off", "both"], default="on",
                         help="CUDA graphs of decode steps (off: --enforce-eager; both: each, in its own process)")
     parser.add_argument("--prefill", action="store_true", help="also time 8 prompts of 1,000 tokens")
+    parser.add_argument("--long", type=int, default=0, metavar="N",
+                        help="also time one stream after an N-token prompt: its first token (s) and ms a token")
     parser.add_argument("--profile", action="store_true", help="profile one-stream decode steps (kernels: CUDA)")
     parser.add_argument("--row-matmul", choices=["on", "off", "both"], default="on",
                         help="CUDA: one-row projections through tokenmill's row_matmul kernel, the norms and SwiGLU "
@@ -254,9 +275,10 @@ def main() -> None:
           f"{threads} threads")
     print(f"{'dtype':<10} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} {'streams':>7} "
           f"{'median tok/s':>12} "
-          f"{'min':>9} {'max':>9} {'weights GB/s':>12}")
+          f"{'min':>9} {'max':>9} {'weights GB/s':>12} {'step ms':>8} {'x 1 row':>7}")
     spawn = multiprocessing.get_context("spawn")
-    timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads)
+    timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads,
+                    args.long)
     both = {"on": [True], "off": [False], "both": [False, True]}
     runs = [(d, q, g, r, p, k) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
             for r in both[args.row_matmul] for p in both[args.pdl] for k in both[args.bf16_kernels]]
@@ -270,16 +292,24 @@ def main() -> None:
         mode = (f"{'on' if result['quantized'] else 'off':<6} {'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
+        one_row = 1 / statistics.median(result[1]) if 1 in args.streams else None
         for n in args.streams:
             speeds = result[n]
             step_bytes = result["weights_many" if n >= result["copies_from"] else "weights"]
             read = statistics.median(speeds) / n * step_bytes / 1e9  # steps a second x bytes a step
+            step = n / statistics.median(speeds)  # seconds a step: each stream's token a step
+            ratio = f"{step / one_row:>7.2f}" if one_row else f"{'':>7}"
             print(f"{dtype:<10} {mode} {n:>7} {statistics.median(speeds):>12.1f} {min(speeds):>9.1f} "
-                  f"{max(speeds):>9.1f} {read:>12.1f}")
+                  f"{max(speeds):>9.1f} {read:>12.1f} {step * 1e3:>8.2f} {ratio}")
         if "prefill" in result:
             speeds = result["prefill"]
             print(f"{dtype:<10} {mode} {'prefill':>7} {statistics.median(speeds):>12.1f} "
                   f"{min(speeds):>9.1f} {max(speeds):>9.1f}")
+        if "long" in result:
+            first, per_token = zip(*result["long"], strict=True)
+            print(f"{dtype:<10} {mode} after a {args.long:,}-token prompt: first token "
+                  f"{statistics.median(first):.2f} s ({min(first):.2f}-{max(first):.2f}), then "
+                  f"{statistics.median(per_token):.2f} ms a token ({min(per_token):.2f}-{max(per_token):.2f})")
         if "profile" in result:
             print(f"profile, {dtype}, quantized, bf16 kernels, graphs, row matmul and PDL {' '.join(mode.split())}:\n"
                   f"{result['profile']}")

@@ -52,12 +52,14 @@ def _view(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice], decodes:
     device = cache.device
     # On CUDA with the GPU kernels every prefill chunk of the step attends in one launch.
     batch = _prefill_batch(cache, pool, chunks) if chunks and backend.gpu_kernels(device) else None
+    # On CPU with the C++ kernels, each chunk through the prefill kernel (where the A/B switch leaves it on).
+    prefill_kernel = bool(chunks) and cache.prefill_kernel and backend.cpu_kernels(device)
     return PagedMetadata(
         k_cache=pool.k, v_cache=pool.v, slot_mapping=_slots(cache, pool, slices), num_decodes=len(lengths),
         decode_tables=_row_tables(cache, pool, decodes).flatten(), decode_lengths=lengths,
         prefills=[] if batch else [(s, torch.tensor(pool.tables[s.seq_id], device=device)) for s in chunks],
         prefill_batch=batch, row_tables=None if row_lengths is None else _row_tables(cache, pool, slices),
-        row_lengths=row_lengths)
+        row_lengths=row_lengths, prefill_kernel=prefill_kernel)
 
 
 def _slots(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice]) -> torch.Tensor:

@@ -40,7 +40,7 @@ def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max
         if num_blocks < 1:
             raise ConfigError(f"KV memory of {budget} bytes holds no block of {config.block_size} tokens")
         cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, config.deterministic,
-                             sliding_blocks)
+                             sliding_blocks, config.cpu_prefill_attention)
     else:  # contiguous (EngineConfig.check() refuses other layouts, and deterministic mode with this one)
         if config.prefix_caching:
             log.info("prefix caching needs the paged layout: off with --kv contiguous")

@@ -1,7 +1,12 @@
-// Decode attention straight from the paged KV pool: each decoding sequence's one query per head against its keys,
-// read block by block through its block table. torch's path gathers every sequence's whole history into a new
-// tensor per layer and step (index_select), masks the padding and runs SDPA: at one decode row that was ~100 us a
-// layer, most of it overhead.
+// Decode attention straight from the paged KV pool: each decoding row's query heads against its sequence's keys,
+// read block by block through its block table (torch's path gathers every sequence's history into a new tensor
+// per layer and step, masks the padding and runs SDPA).
+//
+// As flash-decoding does, a sequence's keys are split in chunks of kChunk: each (sequence, KV head, chunk) is a task
+// of its own, so that one long context keeps every thread busy (one task per KV head left one of two threads idle
+// a third of the time on SmolLM2's three KV heads), and the chunks' partial softmaxes merge after. In a task the
+// KV head's query heads read each key and value once, from the pool as it lies (bf16 widened in registers), and
+// the dot products of four keys are summed across lanes together.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -22,20 +27,12 @@ namespace {
 
 using tokenmill::dot;
 
-#if defined(__AVX512F__)
-// 16 values of the pool as fp32, in a register.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
+// Keys a task reads at most. Fixed, never from the thread count or the batch: a row's result is the same bits
+// whatever else the step runs (the deterministic mode rests on it).
+constexpr int64_t kChunk = 256;
 
 // A row of the pool as fp32: the pool's own memory where it is fp32, else widened into buf (a bf16 is the top half
-// of an fp32: a shift, in vector registers).
+// of an fp32).
 template <typename KV>
 const float* widen(const KV* row, float* buf, int64_t n) {
   for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<float>(row[j]);
@@ -44,118 +41,156 @@ const float* widen(const KV* row, float* buf, int64_t n) {
 
 inline const float* widen(const float* row, float*, int64_t) { return row; }
 
-inline const float* widen(const at::BFloat16* row, float* buf, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(buf + j, load16(row + j));
-#elif defined(__AVX2__) && defined(__FMA__)
-  for (; j + 8 <= n; j += 8) {
-    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + j));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + j), _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-  }
-#endif
-  for (; j < n; ++j) {
-    const uint32_t wide = static_cast<uint32_t>(bits[j]) << 16;
-    std::memcpy(buf + j, &wide, sizeof(float));
-  }
-  return buf;
-}
+using tokenmill::Vec;
 
-// One task: a sequence's `group` query heads (fp32, scaled, [group, dim]) against the keys of one KV head at
-// positions 0..length-1, whose rows row_of(p) gives; out: [group, dim] fp32. scores: room for group * length;
-// row: for dim, total: for group.
-template <typename KV, typename RowOf>
-void attend_generic(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t length,
-                    int64_t dim, const RowOf& row_of, float* scores, float* row, float* total, float* out) {
-  for (int64_t p = 0; p < length; ++p) {
-    const float* key = widen(k_cache + row_of(p), row, dim);
-    for (int64_t g = 0; g < group; ++g) scores[g * length + p] = dot(query + g * dim, key, dim);
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* weights = scores + g * length;
-    total[g] = tokenmill::exp_sum(weights, length, *std::max_element(weights, weights + length));
-  }
-  std::fill(out, out + group * dim, 0.f);
-  for (int64_t p = 0; p < length; ++p) {
-    const float* value = widen(v_cache + row_of(p), row, dim);
-    for (int64_t g = 0; g < group; ++g) {
-      const float weight = scores[g * length + p];
-      float* a = out + g * dim;
-#pragma omp simd
-      for (int64_t j = 0; j < dim; ++j) a[j] += weight * value[j];
-    }
-  }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t j = 0; j < dim; ++j) out[g * dim + j] /= total[g];
-}
+// What a task computes for each of its KV head's query heads over its chunk of keys: the chunk's largest score,
+// its weights' sum (e^(score - max)) and their weighted sum of values, not yet divided by it.
+struct Chunk {
+  const float* query;  // [group, dim] fp32, scaled
+  int64_t group, dim;
+  const int64_t* rows;  // each key's row in the pool (elements), n of them
+  int64_t n;
+  float* scores;  // [group, stride]: room for the scores, then the weights
+  int64_t stride;  // a multiple of 4, >= n
+};
 
-
-#if defined(__AVX512F__)
-// attend_generic's arithmetic for dim = 16 * D16, over positions first..length-1, one query head at a time: its
-// D16 vectors, and those of its output, stay in registers while the keys and values stream by, read straight from
-// the pool (a pool row widened in registers, no copy), block by block. The loops over each position's row through
-// a buffer, with a division per position for its block, took ~400 cycles a position at 32 rows (measured on Zen 4).
-template <int D16, typename KV>
-void attend(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t first,
-            int64_t length, const int64_t* table, int64_t block_size, int64_t stride, int64_t head, float* scores,
-            float* out) {
-  constexpr int64_t dim = 16 * D16;
-  const int64_t keys = length - first;
-  for (int64_t g = 0; g < group; ++g) {
-    __m512 q[D16];
-    for (int d = 0; d < D16; ++d) q[d] = _mm512_loadu_ps(query + g * dim + 16 * d);
-    float* weights = scores + g * keys;  // position p's at p - first
-    for (int64_t b = first / block_size; b * block_size < length; ++b) {
-      const int64_t lo = std::max(first - b * block_size, int64_t{0});
-      const int64_t hi = std::min(block_size, length - b * block_size);
-      const KV* key = k_cache + (table[b] * block_size + lo) * stride + head * dim;
-      for (int64_t p = lo; p < hi; ++p, key += stride) {
-        __m512 acc = _mm512_mul_ps(q[0], load16(key));
-        for (int d = 1; d < D16; ++d) acc = _mm512_fmadd_ps(q[d], load16(key + 16 * d), acc);
-        weights[b * block_size + p - first] = _mm512_reduce_add_ps(acc);
+#if defined(TOKENMILL_VEC)
+// The scores of G query heads from `head` on: four keys at a time, each vector of a key read once for the G heads.
+template <int G, typename KV>
+void scores_of(const Chunk& c, int64_t head, const KV* k_cache, const KV* v_cache) {
+  using F = Vec::F;
+  const int64_t vectors = c.dim / Vec::kLanes;
+  const float* q = c.query + head * c.dim;
+  const int64_t row_bytes = c.dim * static_cast<int64_t>(sizeof(KV));
+  for (int64_t i = 0; i < c.n; i += 4) {
+    const KV* key[4];
+    for (int p = 0; p < 4; ++p) key[p] = k_cache + c.rows[std::min(i + p, c.n - 1)];  // past n: repeats, unused
+    // Rows a few keys ahead from memory: each key's row is a KV head's slice of a position's, so the rows a task
+    // reads are strided, which the hardware prefetchers followed late (the pool is larger than the caches at long
+    // contexts). The values' rows too, for values_of's pass.
+    if (head == 0 && i + 16 < c.n) {
+      for (int p = 0; p < 4; ++p) {
+        const char* k = reinterpret_cast<const char*>(k_cache + c.rows[i + 16 + p]);
+        const char* v = reinterpret_cast<const char*>(v_cache + c.rows[i + 16 + p]);
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(k + b, _MM_HINT_T0);
+          _mm_prefetch(v + b, _MM_HINT_T1);
+        }
       }
     }
-    const float total = tokenmill::exp_sum(weights, keys, *std::max_element(weights, weights + keys));
-    __m512 acc[D16];
-    for (int d = 0; d < D16; ++d) acc[d] = _mm512_setzero_ps();
-    for (int64_t b = first / block_size; b * block_size < length; ++b) {
-      const int64_t lo = std::max(first - b * block_size, int64_t{0});
-      const int64_t hi = std::min(block_size, length - b * block_size);
-      const KV* value = v_cache + (table[b] * block_size + lo) * stride + head * dim;
-      for (int64_t p = lo; p < hi; ++p, value += stride) {
-        const __m512 w = _mm512_set1_ps(weights[b * block_size + p - first]);
-        for (int d = 0; d < D16; ++d) acc[d] = _mm512_fmadd_ps(w, load16(value + 16 * d), acc[d]);
+    F acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int p = 0; p < 4; ++p) acc[g][p] = Vec::zero();
+    for (int64_t d = 0; d < vectors; ++d) {
+      F k[4];
+      for (int p = 0; p < 4; ++p) k[p] = Vec::load(key[p] + d * Vec::kLanes);
+      for (int g = 0; g < G; ++g) {
+        const F qv = Vec::load(q + g * c.dim + d * Vec::kLanes);
+        for (int p = 0; p < 4; ++p) acc[g][p] = Vec::fma(qv, k[p], acc[g][p]);
       }
     }
-    const __m512 inv = _mm512_set1_ps(1.f / total);
-    for (int d = 0; d < D16; ++d) _mm512_storeu_ps(out + g * dim + 16 * d, _mm512_mul_ps(acc[d], inv));
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(c.scores + (head + g) * c.stride + i, Vec::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
   }
+}
+
+// out[g] (fp32, [G, dim] from `head`) = the weights of G query heads times the values, over P vectors of each
+// value row from vector d0: each value vector read once for the G heads.
+template <int G, int P, typename KV>
+void values_of(const Chunk& c, int64_t head, int64_t d0, const KV* v_cache, float* out) {
+  using F = Vec::F;
+  F acc[G][P];
+  for (int g = 0; g < G; ++g)
+    for (int p = 0; p < P; ++p) acc[g][p] = Vec::zero();
+  for (int64_t i = 0; i < c.n; ++i) {
+    const KV* value = v_cache + c.rows[i] + d0 * Vec::kLanes;
+    F v[P];
+    for (int p = 0; p < P; ++p) v[p] = Vec::load(value + p * Vec::kLanes);
+    for (int g = 0; g < G; ++g) {
+      const F w = Vec::set1(c.scores[(head + g) * c.stride + i]);
+      for (int p = 0; p < P; ++p) acc[g][p] = Vec::fma(w, v[p], acc[g][p]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int p = 0; p < P; ++p) Vec::store(out + (head + g) * c.dim + (d0 + p) * Vec::kLanes, acc[g][p]);
+}
+
+// f(G) for the next G of `left` heads (G <= Vec::kHeads, a std::integral_constant).
+template <typename F>
+int64_t with_heads(int64_t left, F&& f) {
+  if (left >= 4 && Vec::kHeads >= 4) {
+    f(std::integral_constant<int, 4>{});
+    return 4;
+  }
+  if (left >= 3 && Vec::kHeads >= 3) {
+    f(std::integral_constant<int, 3>{});
+    return 3;
+  }
+  if (left >= 2) {
+    f(std::integral_constant<int, 2>{});
+    return 2;
+  }
+  f(std::integral_constant<int, 1>{});
+  return 1;
 }
 #endif
 
-// attend where it applies (AVX-512; head dims 64, 128 and 256; fp32, bf16 or fp16 pools), else attend_generic; over
-// positions first..length-1 (first > 0: a sliding window).
+// The pools the vector paths read (an fp64 one, which the op takes too, runs the plain loops).
 template <typename KV>
-void attend_task(const float* query, int64_t group, const KV* k_cache, const KV* v_cache, int64_t first, int64_t length,
-                 const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t h, int64_t dim, float* scores,
-                 float* row, float* total, float* out) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Half>) {
-    // 256 (Gemma 3): the query's 16 vectors live in the scores' pass and the output's 16 in the values' pass.
-    const auto kernel = dim == 64 ? attend<4, KV> : dim == 128 ? attend<8, KV> : dim == 256 ? attend<16, KV> : nullptr;
-    if (kernel != nullptr) {
-      kernel(query, group, k_cache, v_cache, first, length, table, block_size, kv_heads * dim, h, scores, out);
+constexpr bool kVectorPool = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> ||
+                             std::is_same_v<KV, at::Half>;
+
+// One task's chunk: fills max[g], total[g] and out[g] ([group, dim], the weighted values not yet divided).
+template <typename KV>
+void attend_chunk(const Chunk& c, const KV* k_cache, const KV* v_cache, float* row, float* max, float* total,
+                  float* out) {
+  bool scored = false;
+#if defined(TOKENMILL_VEC)
+  if constexpr (kVectorPool<KV>) {
+    if (c.dim % Vec::kLanes == 0) {
+      for (int64_t g = 0; g < c.group;)
+        g += with_heads(c.group - g, [&](auto heads) { scores_of<decltype(heads)::value>(c, g, k_cache, v_cache); });
+      scored = true;
+    }
+  }
+#endif
+  if (!scored) {
+    for (int64_t i = 0; i < c.n; ++i) {
+      const float* key = widen(k_cache + c.rows[i], row, c.dim);
+      for (int64_t g = 0; g < c.group; ++g) c.scores[g * c.stride + i] = dot(c.query + g * c.dim, key, c.dim);
+    }
+  }
+  for (int64_t g = 0; g < c.group; ++g) {
+    float* weights = c.scores + g * c.stride;
+    max[g] = *std::max_element(weights, weights + c.n);
+    total[g] = tokenmill::exp_sum(weights, c.n, max[g]);
+  }
+#if defined(TOKENMILL_VEC)
+  if constexpr (kVectorPool<KV>) {
+    if (scored) {
+      const int64_t vectors = c.dim / Vec::kLanes;
+      for (int64_t g = 0; g < c.group;) {
+        g += with_heads(c.group - g, [&](auto heads) {
+          constexpr int G = decltype(heads)::value;
+          int64_t d = 0;
+          for (; d + 4 <= vectors; d += 4) values_of<G, 4>(c, g, d, v_cache, out);
+          for (; d < vectors; ++d) values_of<G, 1>(c, g, d, v_cache, out);
+        });
+      }
       return;
     }
   }
 #endif
-  // Position p's row of this KV head in the pool.
-  const auto row_of = [&](int64_t i) {
-    const int64_t p = first + i;
-    return ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
-  };
-  attend_generic(query, group, k_cache, v_cache, length - first, dim, row_of, scores, row, total, out);
+  std::fill(out, out + c.group * c.dim, 0.f);
+  for (int64_t i = 0; i < c.n; ++i) {
+    const float* value = widen(v_cache + c.rows[i], row, c.dim);
+    for (int64_t g = 0; g < c.group; ++g) {
+      const float weight = c.scores[g * c.stride + i];
+      float* a = out + g * c.dim;
+#pragma omp simd
+      for (int64_t j = 0; j < c.dim; ++j) a[j] += weight * value[j];
+    }
+  }
 }
 
 // q and out of T, the pool of KV (the fused layer's fp32 rows read a bf16 or fp16 pool). window > 0: each query
@@ -165,22 +200,75 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
             int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t width,
             float scale, int64_t window) {
   const int64_t group = heads / kv_heads;
-  // One task per (sequence, KV head): the group's query heads read its keys and values while they are in cache.
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), result(group * dim), row(dim), total(group), scores;
+  const auto first_of = [&](int64_t s) { return window > 0 ? std::max(lengths[s] - window, int64_t{0}) : 0; };
+  // Tasks by sequence, then KV head, then chunk: task_of[s] is sequence s's first.
+  std::vector<int64_t> task_of(seqs + 1, 0), chunks(seqs);
+  for (int64_t s = 0; s < seqs; ++s) {
+    chunks[s] = (lengths[s] - first_of(s) + kChunk - 1) / kChunk;
+    task_of[s + 1] = task_of[s] + kv_heads * chunks[s];
+  }
+  const int64_t tasks = task_of[seqs];
+  const bool split = std::any_of(chunks.begin(), chunks.end(), [](int64_t c) { return c > 1; });
+  // Each split task's partial result: per query head its max, total and weighted values.
+  std::vector<float> partial(split ? tasks * group * (dim + 2) : 0);
+  const auto write = [&](int64_t s, int64_t h, int64_t g, const float* values, float total) {
+    T* o = out + (s * heads + h * group + g) * dim;
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<T>(values[j] * inv);
+  };
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    constexpr int64_t stride = kChunk;  // a multiple of 4
+    std::vector<float> query(group * dim), result(group * dim), row(dim), max(group), total(group),
+        scores(group * stride);
+    std::vector<int64_t> rows(kChunk);
+    int64_t s = std::upper_bound(task_of.begin(), task_of.end(), begin) - task_of.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads, length = lengths[s];
-      const int64_t first = window > 0 ? std::max(length - window, int64_t{0}) : 0;
+      while (task >= task_of[s + 1]) ++s;
+      const int64_t h = (task - task_of[s]) / chunks[s], chunk = (task - task_of[s]) % chunks[s];
+      const int64_t lo = first_of(s) + chunk * kChunk, n = std::min(kChunk, lengths[s] - lo);
       const int64_t* table = tables + s * width;
-      scores.resize(group * length);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = lo + i;
+        rows[i] = ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+      }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j)
           query[g * dim + j] = static_cast<float>(q[(s * heads + h * group + g) * dim + j]) * scale;
-      attend_task(query.data(), group, k_cache, v_cache, first, length, table, block_size, kv_heads, h, dim,
-                  scores.data(), row.data(), total.data(), result.data());
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < dim; ++j)
-          out[(s * heads + h * group + g) * dim + j] = static_cast<T>(result[g * dim + j]);
+      const Chunk c{query.data(), group, dim, rows.data(), n, scores.data(), stride};
+      attend_chunk(c, k_cache, v_cache, row.data(), max.data(), total.data(), result.data());
+      if (chunks[s] == 1) {
+        for (int64_t g = 0; g < group; ++g) write(s, h, g, result.data() + g * dim, total[g]);
+        continue;
+      }
+      float* part = partial.data() + task * group * (dim + 2);
+      for (int64_t g = 0; g < group; ++g) {
+        part[g * (dim + 2)] = max[g];
+        part[g * (dim + 2) + 1] = total[g];
+        std::memcpy(part + g * (dim + 2) + 2, result.data() + g * dim, dim * sizeof(float));
+      }
+    }
+  });
+  if (!split) return;
+  // Merge each split (sequence, KV head)'s chunks, in their order: the softmax over all its keys.
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(dim);
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const int64_t s = sh / kv_heads, h = sh % kv_heads;
+      if (chunks[s] == 1) continue;
+      const float* first = partial.data() + (task_of[s] + h * chunks[s]) * group * (dim + 2);
+      for (int64_t g = 0; g < group; ++g) {
+        const auto at = [&](int64_t c) { return first + (c * group + g) * (dim + 2); };
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks[s]; ++c) top = std::max(top, at(c)[0]);
+        float total = 0.f;
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (int64_t c = 0; c < chunks[s]; ++c) {
+          const float weight = std::exp(at(c)[0] - top);
+          total += weight * at(c)[1];
+          for (int64_t j = 0; j < dim; ++j) merged[j] += weight * at(c)[2 + j];
+        }
+        write(s, h, g, merged.data(), total);
+      }
     }
   });
 }

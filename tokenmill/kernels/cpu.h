@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -67,6 +68,94 @@ inline __m256 exp256(__m256 x) {
   const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
 }
+#endif
+
+#if defined(__AVX512F__)
+#define TOKENMILL_VEC 1
+// The attention kernels' vector arithmetic (attention.cpp, attention_prefill.cpp), on 16 lanes.
+struct Vec {
+  static constexpr int64_t kLanes = 16;
+  static constexpr int kHeads = 4;  // decode: query heads a pass over the keys takes, 4 x 4 sums + 4 keys
+  static constexpr int kSlab = 4;   // prefill: query rows whose 4 vectors of sums stay in registers
+  using F = __m512;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  static F load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  // e^(s - shift), and 0 where s is -inf (a masked score) or shift is (nothing seen yet)
+  static F exp_or_zero(F s, F shift) {
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __mmask16 seen = _mm512_cmp_ps_mask(s, ninf, _CMP_NEQ_OQ) & _mm512_cmp_ps_mask(shift, ninf, _CMP_NEQ_OQ);
+    return _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(s, shift)));
+  }
+  // e^(old - now): how much the sums so far shrink when the max rises from old to now; 1 while now is -inf
+  static F rescale(F old, F now) {
+    const __mmask16 seen = _mm512_cmp_ps_mask(now, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                              _CMP_NEQ_OQ);
+    return _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.f), exp512(_mm512_sub_ps(old, now)));
+  }
+  // The lane sums of a, b, c and d, in that order: one transpose-and-add tree for the four.
+  static __m128 sum4(F a, F b, F c, F d) {
+    const F ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+    const F cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+    const F sums = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));  // a b c d, in each 128 bits
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(sums),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TOKENMILL_VEC 1
+// The attention kernels' vector arithmetic, on 8 lanes.
+struct Vec {
+  static constexpr int64_t kLanes = 8;
+  static constexpr int kHeads = 2;  // 2 x 4 sums + 4 keys of the 16 registers
+  static constexpr int kSlab = 2;
+  using F = __m256;
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const at::BFloat16* p) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  static F load(const at::Half* p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    alignas(32) float wide[8];
+    for (int j = 0; j < 8; ++j) wide[j] = static_cast<float>(p[j]);
+    return _mm256_load_ps(wide);
+#endif
+  }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F exp_or_zero(F s, F shift) {
+    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m256 seen = _mm256_and_ps(_mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ), _mm256_cmp_ps(shift, ninf, _CMP_NEQ_OQ));
+    return _mm256_and_ps(seen, exp256(_mm256_sub_ps(s, shift)));
+  }
+  static F rescale(F old, F now) {
+    const __m256 seen = _mm256_cmp_ps(now, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+    return _mm256_blendv_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(old, now)), seen);
+  }
+  static __m128 sum4(F a, F b, F c, F d) {
+    const F sums = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a b c d, in each 128 bits
+    return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+  }
+};
 #endif
 
 // v[j] = e^(v[j] - shift) for j < n (exp512's arithmetic on every lane, the tail too: one rounding for all); returns

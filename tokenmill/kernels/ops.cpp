@@ -5,5 +5,6 @@
 #include "norm.cpp"
 #include "rope.cpp"
 #include "attention.cpp"
+#include "attention_prefill.cpp"  // after attention.cpp, whose decode kernel it falls back on
 #include "layer.cpp"
 #include "tiles.cpp"

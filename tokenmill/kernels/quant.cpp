@@ -365,6 +365,95 @@ void bf16_group_tile(const QuantizedMatrix& w, int64_t g, const float* x, int64_
 #endif
 }
 
+#if defined(TOKENMILL_VNNI512) && defined(__AVX512BF16__)
+#define TOKENMILL_DPBF16 1
+// bf16 rows (x) in the weights' pair order: a row's block b, chunk c holds the activations that chunk c of the
+// weights' block multiplies, x[32b + pair_first(c)] and the one 2 after it, as one 32-bit pair.
+std::vector<uint32_t> paired_rows(const at::BFloat16* x, int64_t rows, int64_t in) {
+  std::vector<uint32_t> out(rows * in / 2);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < in / kBlock; ++b)
+        for (int c = 0; c < 16; ++c) {
+          const uint16_t* at = bits + r * in + b * kBlock + tokenmill::pair_first(c);
+          out[(r * in + b * kBlock) / 2 + c] = static_cast<uint32_t>(at[0]) | static_cast<uint32_t>(at[2]) << 16;
+        }
+  });
+  return out;
+}
+
+// bf16 weights (16 bits) times bf16 rows (paired_rows), GN groups (16 output rows each) by N rows into
+// out[N][GN * 16]: each chunk's two products a lane in one vdpbf16ps, half the instructions of widening both to fp32,
+// and each broadcast pair of activations feeding GN of them (one group a tile was bound by the broadcasts). The
+// products of two bf16 are exact in fp32 and summed in fp32 in the same order whatever N and GN: a row's result
+// does not depend on its batch.
+template <int GN, int N>
+void bf16_dot_tile(const QuantizedMatrix& w, int64_t g0, const uint32_t* x, int64_t r0, float (*out)[4 * kLanes]) {
+  const int64_t pairs = w.in / 2;  // a row's chunks of 64 bytes, in order: block b's chunk c is chunk 16b + c
+  const uint8_t* q[GN];
+  for (int j = 0; j < GN; ++j) q[j] = w.q + (g0 + j) * pairs * kLanes * 4;
+  const uint32_t* xr[N];
+  for (int i = 0; i < N; ++i) xr[i] = x + (r0 + i) * pairs;
+  __m512 acc[N][GN];
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < GN; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    __m512i v[GN];
+    for (int j = 0; j < GN; ++j) v[j] = _mm512_loadu_si512(q[j] + k * kLanes * 4);
+    for (int i = 0; i < N; ++i) {
+      const __m512i pair = _mm512_set1_epi32(static_cast<int32_t>(xr[i][k]));
+      for (int j = 0; j < GN; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)pair, (__m512bh)v[j]);
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < GN; ++j) _mm512_storeu_ps(out[i] + j * kLanes, acc[i][j]);
+}
+
+constexpr int64_t kDotRows = 6;  // rows a bf16_dot_tile: 6 x 4 sums, 4 weight vectors and a pair in 32 registers
+
+// out[rows, w.out] = bf16 rows (paired_rows) times bf16 weights: sets of 4 groups (2 where that leaves threads
+// idle) shared among the threads, rows in blocks as over_groups has them.
+void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, float* out) {
+  const int64_t groups = (w.out + kLanes - 1) / kLanes;
+  const int64_t per = groups >= 16 * at::get_num_threads() ? 4 : 2;  // groups a set
+  const int64_t sets = (groups + per - 1) / per;
+  const int64_t block = std::max<int64_t>(1, tokenmill::kRowBlockBytes / (w.in * 2 * kDotRows)) * kDotRows;
+  for (int64_t first = 0; first < rows; first += block) {
+    const int64_t last = std::min(rows, first + block);
+    at::parallel_for(0, sets, 1, [&](int64_t begin, int64_t end) {
+      float t[kDotRows][4 * kLanes];
+      for (int64_t set = begin; set < end; ++set) {
+        const int64_t g0 = set * per, gn = std::min(per, groups - g0);
+        const int64_t valid = std::min(gn * kLanes, w.out - g0 * kLanes);
+        for (int64_t r0 = first; r0 < last; r0 += kDotRows) {
+          const int64_t n = std::min(kDotRows, last - r0);
+          const auto run = [&](auto count) {
+            constexpr int N = decltype(count)::value;
+            switch (gn) {
+              case 4: bf16_dot_tile<4, N>(w, g0, x, r0, t); break;
+              case 3: bf16_dot_tile<3, N>(w, g0, x, r0, t); break;
+              case 2: bf16_dot_tile<2, N>(w, g0, x, r0, t); break;
+              default: bf16_dot_tile<1, N>(w, g0, x, r0, t); break;
+            }
+          };
+          switch (n) {
+            case 6: run(std::integral_constant<int, 6>{}); break;
+            case 5: run(std::integral_constant<int, 5>{}); break;
+            case 4: run(std::integral_constant<int, 4>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            default: run(std::integral_constant<int, 1>{}); break;
+          }
+          for (int64_t i = 0; i < n; ++i)
+            std::memcpy(out + (r0 + i) * w.out + g0 * kLanes, t[i], valid * sizeof(float));
+        }
+      }
+    });
+  }
+}
+#endif
+
 // f(N) for n rows (1..kRowTile), N as a std::integral_constant: the group kernels take their row count as a template
 // argument, so that each row's sums stay in registers.
 template <typename F>
@@ -421,6 +510,15 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     tokenmill::tile_matmul(xb.data_ptr<at::BFloat16>(), x.size(0), w, out.data_ptr<at::BFloat16>());
     return out;
   }
+#if defined(TOKENMILL_DPBF16)
+  if (x.scalar_type() == at::kBFloat16 && w.bits == 16) {  // bf16 rows on bf16 weights: vdpbf16ps, as they are
+    const at::Tensor xb = x.contiguous();
+    const std::vector<uint32_t> paired = paired_rows(xb.data_ptr<at::BFloat16>(), x.size(0), w.in);
+    at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
+    bf16_dot_matmul(paired.data(), x.size(0), w, out.data_ptr<float>());
+    return out.to(x.scalar_type());
+  }
+#endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
   tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>(), tiles_from_rows);

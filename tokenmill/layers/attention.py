@@ -1,7 +1,9 @@
 """Attention over the KV cache for a flat batch of tokens from several sequences (ragged lengths).
 
-Paged: all decoding sequences attend in one batched SDPA call over their gathered blocks (a key mask hides the
-padding); each prefill chunk attends on its own, causal within the chunk, seeing every earlier token.
+Paged: all decoding sequences attend in one call, each prefill chunk on its own, causal within the chunk, seeing
+every earlier token; on CPU through tokenmill's kernels straight from the pool (kernels/attention.cpp and
+attention_prefill.cpp), on CUDA through Triton's, else torch's SDPA over blocks gathered from the pool (a key mask
+hides the padding).
 Contiguous: every sequence attends on its own over its buffer.
 """
 
@@ -59,6 +61,8 @@ class PagedMetadata:
     row_tables: torch.Tensor | None = None
     row_lengths: torch.Tensor | None = None
     prefill_batch: PrefillBatch | None = None
+    # The prefills (a table each) attend through the CPU's flash-attention kernel (kernels/attention_prefill.cpp).
+    prefill_kernel: bool = False
     # Sliding-window layers in a pool of their own (cache/kv_cache.py): the step over that pool (its tensors, slots
     # and tables; the same rows), and each layer's pool (True: the sliding one) and index among its layers.
     sliding: PagedMetadata | None = None
@@ -188,6 +192,11 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
         return out
     row = b
     for s, table in meta.prefills:
+        if meta.prefill_kernel:
+            out[row:row + s.num_tokens] = torch.ops.tokenmill.paged_prefill_attention(
+                q[row:row + s.num_tokens], k_cache, v_cache, table, s.start, scale, window)
+            row += s.num_tokens
+            continue
         end = s.start + s.num_tokens
         keys = k_cache.index_select(0, table).view(-1, kv_heads, dim)[:end]
         values = v_cache.index_select(0, table).view(-1, kv_heads, dim)[:end]

@@ -1,0 +1,250 @@
+// Prefill attention straight from the paged KV pool, flash-attention's loop on the CPU: a task takes a tile of a
+// prompt chunk's rows for one KV head (its group of query heads together) and walks the keys they see, the cached
+// prefix and the chunk itself, a tile of keys at a time, widened into scratch once for the whole group; scores of a
+// tile of keys are an outer product in registers, and the softmax is carried from tile to tile (running max and
+// sum), so no [rows, keys] matrix, gathered copy of the keys or mask is ever built (torch's path does all three).
+// Causal, and a sliding window (Gemma 3) which skips the key tiles no row of the task sees.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cpu.h"
+
+namespace {
+
+#if defined(TOKENMILL_VEC)
+using tokenmill::Vec;
+using F = Vec::F;
+
+constexpr int64_t kKeys = 64;  // keys a tile
+constexpr int64_t kRows = 32;  // prompt rows a task
+// A step of the products: kStep keys (or dims of the values) by up to kSlab vectors of queries, their sums in
+// registers; each vector loaded feeds kStep multiply-adds and each broadcast kSlab (a load a multiply-add, at
+// most, on CPUs that load one 512-bit vector a cycle).
+#if defined(__AVX512F__)
+constexpr int kStep = 8, kSlab = 3;  // 24 sums, 3 queries and a broadcast of the 32 registers
+#else
+constexpr int kStep = 4, kSlab = 2;  // 8 sums of the 16
+#endif
+
+// What one task works in (a thread's, reused from task to task). The task's queries, its rows' heads, lie across the
+// vector lanes (query m: row m / group, head m % group, up to a padded count): the softmax's max, sums and rescaling
+// are then lane-wise, in vector registers, for every query at once.
+struct Scratch {
+  int64_t lanes;              // queries, padded to whole vectors
+  std::vector<float> query;   // [dim, lanes], scaled
+  std::vector<float> out;     // [dim, lanes]: the weighted values so far
+  std::vector<float> keys;    // [kKeys, dim]: the key tile, widened (zeros past its last key, to a multiple of kStep)
+  std::vector<float> values;  // [kKeys, dim]
+  std::vector<float> scores;  // [kKeys, lanes]: scores, then weights
+  std::vector<float> max, total;  // [lanes]
+
+  Scratch(int64_t queries, int64_t dim)
+      : lanes((queries + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes), query(dim * lanes), out(dim * lanes),
+        keys(kKeys * dim), values(kKeys * dim), scores(kKeys * lanes), max(lanes), total(lanes) {}
+};
+
+// scores[j, V vectors of queries from v0] for keys j0..j0+kStep-1: per dim, kStep broadcast key values against the
+// queries.
+template <int V>
+void score(Scratch& w, int64_t j0, int64_t v0, int64_t dim) {
+  F acc[kStep][V];
+  for (int k = 0; k < kStep; ++k)
+    for (int v = 0; v < V; ++v) acc[k][v] = Vec::zero();
+  const float* key = w.keys.data() + j0 * dim;
+  for (int64_t d = 0; d < dim; ++d) {
+    F q[V];
+    for (int v = 0; v < V; ++v) q[v] = Vec::load(w.query.data() + d * w.lanes + (v0 + v) * Vec::kLanes);
+    for (int k = 0; k < kStep; ++k) {
+      const F b = Vec::set1(key[k * dim + d]);
+      for (int v = 0; v < V; ++v) acc[k][v] = Vec::fma(b, q[v], acc[k][v]);
+    }
+  }
+  for (int k = 0; k < kStep; ++k)
+    for (int v = 0; v < V; ++v) Vec::store(w.scores.data() + (j0 + k) * w.lanes + (v0 + v) * Vec::kLanes, acc[k][v]);
+}
+
+// out[dims d0..d0+kStep-1, V vectors of queries from v0] += the weights of `keys` keys times their values.
+template <int V>
+void add_values(Scratch& w, int64_t d0, int64_t v0, int64_t keys, int64_t dim) {
+  F acc[kStep][V];
+  for (int k = 0; k < kStep; ++k)
+    for (int v = 0; v < V; ++v) acc[k][v] = Vec::load(w.out.data() + (d0 + k) * w.lanes + (v0 + v) * Vec::kLanes);
+  for (int64_t j = 0; j < keys; ++j) {
+    F p[V];
+    for (int v = 0; v < V; ++v) p[v] = Vec::load(w.scores.data() + j * w.lanes + (v0 + v) * Vec::kLanes);
+    for (int k = 0; k < kStep; ++k) {
+      const F b = Vec::set1(w.values[j * dim + d0 + k]);
+      for (int v = 0; v < V; ++v) acc[k][v] = Vec::fma(b, p[v], acc[k][v]);
+    }
+  }
+  for (int k = 0; k < kStep; ++k)
+    for (int v = 0; v < V; ++v) Vec::store(w.out.data() + (d0 + k) * w.lanes + (v0 + v) * Vec::kLanes, acc[k][v]);
+}
+
+// f(v0, V) over the task's vectors of queries in slabs of at most kSlab, as even as they split (4: 2 and 2, not 3
+// and 1, whose single vector was bound by the key broadcasts); V a std::integral_constant.
+template <typename Fn>
+void by_slabs(int64_t vectors, Fn&& f) {
+  const int64_t slabs = (vectors + kSlab - 1) / kSlab;
+  for (int64_t s = 0, v0 = 0; s < slabs; ++s) {
+    const int64_t size = (vectors - v0) / (slabs - s);
+    switch (size) {
+      case 3: f(v0, std::integral_constant<int, 3>{}); break;
+      case 2: f(v0, std::integral_constant<int, 2>{}); break;
+      default: f(v0, std::integral_constant<int, 1>{}); break;
+    }
+    v0 += size;
+  }
+}
+
+// A row of the pool as fp32 into dst (dim a multiple of the vector's lanes).
+template <typename KV>
+void widen_row(const KV* src, float* dst, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += Vec::kLanes) Vec::store(dst + d, Vec::load(src + d));
+}
+
+// One task: rows r0..r0+n of the chunk (positions start + r0 ...), KV head h, its group of query heads.
+template <typename T, typename KV>
+void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, const int64_t* table, int64_t r0,
+                  int64_t n, int64_t start, int64_t h, int64_t heads, int64_t kv_heads, int64_t dim,
+                  int64_t block_size, float scale, int64_t window, T* out) {
+  const int64_t group = heads / kv_heads, queries = n * group, vectors = w.lanes / Vec::kLanes;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::fill(w.query.begin(), w.query.end(), 0.f);  // the padding lanes: zero queries, discarded
+  for (int64_t m = 0; m < queries; ++m) {
+    const T* src = q + ((r0 + m / group) * heads + h * group + m % group) * dim;
+    for (int64_t d = 0; d < dim; ++d) w.query[d * w.lanes + m] = static_cast<float>(src[d]) * scale;
+  }
+  std::fill(w.out.begin(), w.out.end(), 0.f);
+  std::fill(w.max.begin(), w.max.end(), ninf);
+  std::fill(w.total.begin(), w.total.end(), 0.f);
+  const int64_t first_row = start + r0, last_row = start + r0 + n - 1;  // positions
+  const int64_t first_key = window > 0 ? std::max<int64_t>(first_row - window + 1, 0) : 0;
+  for (int64_t k0 = first_key; k0 <= last_row; k0 += kKeys) {
+    const int64_t keys = std::min(kKeys, last_row + 1 - k0), padded = (keys + kStep - 1) / kStep * kStep;
+    for (int64_t j = 0; j < keys; ++j) {
+      const int64_t p = k0 + j;
+      const int64_t row = ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+      widen_row(k_cache + row, w.keys.data() + j * dim, dim);
+      widen_row(v_cache + row, w.values.data() + j * dim, dim);
+    }
+    std::fill(w.keys.begin() + keys * dim, w.keys.begin() + padded * dim, 0.f);
+    for (int64_t j = 0; j < padded; j += kStep)
+      by_slabs(vectors, [&](int64_t v0, auto v) { score<decltype(v)::value>(w, j, v0, dim); });
+    // Scores a query may not see: keys after its row, or (a window) too far before it. Every query of the task sees
+    // all of a tile that ends at or before its first row and, with a window, starts within it of its last row.
+    const bool whole = k0 + keys - 1 <= first_row && (window <= 0 || last_row - k0 < window);
+    if (!whole) {
+      for (int64_t j = 0; j < keys; ++j)
+        for (int64_t m = 0; m < queries; ++m) {
+          const int64_t position = first_row + m / group, key = k0 + j;
+          if (key > position || (window > 0 && position - key >= window)) w.scores[j * w.lanes + m] = ninf;
+        }
+    }
+    // The online softmax, lane-wise: the tile's max, the sums so far rescaled to it, the tile's weights.
+    for (int64_t v = 0; v < vectors; ++v) {
+      const int64_t at = v * Vec::kLanes;
+      F top = Vec::load(w.max.data() + at);
+      const F old = top;
+      for (int64_t j = 0; j < keys; ++j) top = Vec::max(top, Vec::load(w.scores.data() + j * w.lanes + at));
+      const F shrink = Vec::rescale(old, top);
+      F sum = Vec::zero();
+      for (int64_t j = 0; j < keys; ++j) {
+        const F p = Vec::exp_or_zero(Vec::load(w.scores.data() + j * w.lanes + at), top);
+        Vec::store(w.scores.data() + j * w.lanes + at, p);
+        sum = Vec::fma(Vec::set1(1.f), p, sum);
+      }
+      Vec::store(w.max.data() + at, top);
+      Vec::store(w.total.data() + at, Vec::fma(Vec::load(w.total.data() + at), shrink, sum));
+      for (int64_t d = 0; d < dim; ++d)
+        Vec::store(w.out.data() + d * w.lanes + at, Vec::mul(Vec::load(w.out.data() + d * w.lanes + at), shrink));
+    }
+    for (int64_t d = 0; d < dim; d += kStep)
+      by_slabs(vectors, [&](int64_t v0, auto v) { add_values<decltype(v)::value>(w, d, v0, keys, dim); });
+  }
+  for (int64_t m = 0; m < queries; ++m) {
+    const float inv = 1.f / w.total[m];
+    T* o = out + ((r0 + m / group) * heads + h * group + m % group) * dim;
+    for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(w.out[d * w.lanes + m] * inv);
+  }
+}
+
+// Tasks (KV head, tile of rows), the costliest first (the last rows see the most keys), taken by the threads as
+// they free up: causal tiles differ in cost, and an even split of them in order left one thread idle.
+template <typename T, typename KV>
+void prefill(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* table, int64_t n, int64_t start,
+             T* out, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window) {
+  const int64_t tiles = (n + kRows - 1) / kRows, tasks = tiles * kv_heads;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w(kRows * (heads / kv_heads), dim);  // dim: a multiple of the lanes, and of kStep
+    for (int64_t task = next++; task < tasks; task = next++) {
+      const int64_t tile = tiles - 1 - task / kv_heads, h = task % kv_heads;
+      const int64_t r0 = tile * kRows;
+      prefill_task(w, q, k_cache, v_cache, table, r0, std::min(kRows, n - r0), start, h, heads, kv_heads, dim,
+                   block_size, scale, window, out);
+    }
+  });
+}
+#endif
+
+// q: [n, heads, dim], a prompt chunk's rows at positions start..start+n-1, their K/V already in the pool; caches:
+// [blocks, block size, kv heads, dim]; table: the sequence's block ids. window > 0: row i sees key j where
+// 0 <= i - j < window. Each row sees its keys up to itself.
+at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& table_in, int64_t start, double scale, int64_t window) {
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor table = table_in.to(at::kLong).contiguous();
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the pool must share a dtype");
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "heads and the pool disagree");
+  TORCH_CHECK(table.dim() == 1 && start >= 0 && start + n <= table.numel() * block_size,
+              "the rows' positions run past their block table");
+  const int64_t* blocks = table.data_ptr<int64_t>();
+  const int64_t needed = (start + n + block_size - 1) / block_size;
+  for (int64_t b = 0; b < needed; ++b)
+    TORCH_CHECK(blocks[b] >= 0 && blocks[b] < k_cache.size(0), "a block outside the pool");
+#if defined(TOKENMILL_VEC)
+  const at::ScalarType type = q.scalar_type();
+  if (dim % Vec::kLanes == 0 && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf)) {
+    at::Tensor out = at::empty_like(q);
+    if (n == 0) return out;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "paged_prefill_attention", [&] {
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        prefill<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                    v_cache.data_ptr<scalar_t>(), blocks, n, start, out.data_ptr<scalar_t>(), heads,
+                                    kv_heads, dim, block_size, static_cast<float>(scale), window);
+      }
+    });
+    return out;
+  }
+#endif
+  // Without vector registers (or of a head dim they do not divide): each row as a decode row over its keys.
+  const at::Tensor tables = table.narrow(0, 0, needed).unsqueeze(0).expand({n, needed}).contiguous();
+  const at::Tensor lengths = at::arange(start + 1, start + n + 1, table.options());
+  return paged_decode_attention(q, k_cache, v_cache, tables, lengths, scale, window);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int start, float scale, "
+        "int window=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
