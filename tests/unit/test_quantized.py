@@ -366,6 +366,24 @@ def test_bf16_rows_on_bf16_weights_are_the_exact_products_summed_in_fp32(rows: i
     assert torch.equal(got[:1], quantized_linear(x[:1], weight, 0))  # a row's result whatever the rows beside it
 
 
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_fp32_rows_of_a_bf16_model_multiply_as_their_bf16_rounding(rows: int) -> None:
+    """bf16_rows (the fused decode layer's, for a bf16 model): fp32 rows on bf16 weights give the sums of the rows
+    rounded to bf16, the sums a bf16 model's rows get op by op (here: the same bits, once rounded to bf16), not the
+    fp32 rows' own products."""
+    w = bf16_matrix(48, 512, seed=rows)
+    weight = QuantizedWeight.from_dense(w)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    args = (weight.qweight, weight.scales, None, 32, 0, 48, 0)
+    rounded = torch.ops.tokenmill.quantized_linear(x, *args, True)
+    assert rounded.dtype == torch.float32
+    assert torch.equal(rounded.bfloat16(), torch.ops.tokenmill.quantized_linear(x.bfloat16(), *args))
+    exact = x.double() @ w.double().T
+    assert ((torch.ops.tokenmill.quantized_linear(x, *args).double() - exact).abs().max()
+            < (rounded.double() - exact).abs().max())
+
+
 @needs_tiles
 @pytest.mark.parametrize(("rows", "out"), [(1, 48), (17, 40), (40, 64), (70, 16), (300, 40)])
 def test_the_tiles_read_bf16_weights_where_they_lie(rows: int, out: int) -> None:

@@ -41,7 +41,9 @@ const float* widen(const KV* row, float* buf, int64_t n) {
 
 inline const float* widen(const float* row, float*, int64_t) { return row; }
 
+#if defined(TOKENMILL_VEC)
 using tokenmill::Vec;
+#endif
 
 // What a task computes for each of its KV head's query heads over its chunk of keys: the chunk's largest score,
 // its weights' sum (e^(score - max)) and their weighted sum of values, not yet divided by it.

@@ -279,8 +279,11 @@ QuantizedMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& sc
                                  const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero,
                                  int64_t out_features);
 // out[rows, w.out] = x[rows, w.in] @ dequantize(w).T: steps of tiles_from_rows rows or more (0: none) on AMX tiles
-// in bf16 where there are any (tile_matmul), the others by the integer kernel.
-void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out, int64_t tiles_from_rows = 0);
+// in bf16 where there are any (tile_matmul), the others by the integer kernel. bf16_rows (a bf16 model's rows, kept
+// in fp32 by the fused layer): bf16 weights multiply the rows rounded to bf16, as the model's own ops would, with
+// vdpbf16ps where the CPU has it (half the instructions of fp32 products).
+void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out, int64_t tiles_from_rows = 0,
+                      bool bf16_rows = false);
 
 // tiles.cpp: whether this build and process can run AMX tiles (the CPU has them, the kernel grants their state);
 // the matmul above on them, weights and activations rounded to bf16, fp32 sums; x and out fp32, or both bf16 (a bf16

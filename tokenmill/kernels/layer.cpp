@@ -60,13 +60,14 @@ void norm_in_place(float* rows, const float* weight, int64_t count, int64_t cols
 // shift; then the per-head q and k norms, and the norms of the attention's and of the MLP's outputs (Gemma's
 // "sandwich") (an empty shift, bias or norm: none). layouts: the four matrices' weights per scale, then their zero
 // points. window > 0: attention to the last `window` keys; gelu: the tanh GELU for SiLU. tiles_from_rows: steps of
-// this many rows or more multiply on AMX tiles (quant.cpp; 0: never). Returns this layer's MLP output (normed, with
-// an output norm).
+// this many rows or more multiply on AMX tiles (quant.cpp; 0: never). bf16_rows: a bf16 model's, whose bf16 weights
+// multiply its rows rounded to bf16 (quantized_matmul). Returns this layer's MLP output (normed, with an output
+// norm).
 at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights,
                         at::IntArrayRef layouts, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
                         const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale,
-                        int64_t tiles_from_rows, int64_t window, bool gelu) {
+                        int64_t tiles_from_rows, int64_t window, bool gelu, bool bf16_rows) {
   TORCH_CHECK(weights.size() == 19 && layouts.size() == 8, "19 weight tensors, 4 subs and 4 zero points");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t n = x.size(0), hidden = x.size(1);
@@ -121,7 +122,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
 
   const float ep = static_cast<float>(eps);
   tokenmill::rms_norm_rows(xs, pend, norm1, h.data(), n, hidden, ep);
-  tokenmill::quantized_matmul(h.data(), n, qkv_w, qkv.data(), tiles_from_rows);
+  tokenmill::quantized_matmul(h.data(), n, qkv_w, qkv.data(), tiles_from_rows, bf16_rows);
   if (bias)
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < qkv_w.out; ++j) qkv[t * qkv_w.out + j] += bias[j];
@@ -141,12 +142,12 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
     case at::kHalf: run(at::Half{}); break;
     default: TORCH_CHECK(false, "the KV pool must be fp32, bf16 or fp16, not ", k_cache.scalar_type());
   }
-  tokenmill::quantized_matmul(attn.data(), n, o_w, o.data(), tiles_from_rows);
+  tokenmill::quantized_matmul(attn.data(), n, o_w, o.data(), tiles_from_rows, bf16_rows);
   norm_in_place(o.data(), attn_out_norm, n, hidden, ep);
   tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, ep);
-  tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data(), tiles_from_rows);
+  tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data(), tiles_from_rows, bf16_rows);
   tokenmill::act_mul_rows(gate_up.data(), act.data(), n, inter, gelu);
-  tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>(), tiles_from_rows);
+  tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>(), tiles_from_rows, bf16_rows);
   norm_in_place(out.data_ptr<float>(), mlp_out_norm, n, hidden, ep);
   return out;
 }
@@ -156,7 +157,8 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layer(Tensor(a!) x, Tensor pending, Tensor[] weights, int[] layouts, Tensor cos, Tensor sin, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, "
-        "int kv_heads, float eps, float scale, int tiles_from_rows=0, int window=0, bool gelu=False) -> Tensor");
+        "int kv_heads, float eps, float scale, int tiles_from_rows=0, int window=0, bool gelu=False, "
+        "bool bf16_rows=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layer", &decode_layer); }

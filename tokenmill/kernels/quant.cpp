@@ -367,17 +367,22 @@ void bf16_group_tile(const QuantizedMatrix& w, int64_t g, const float* x, int64_
 
 #if defined(TOKENMILL_VNNI512) && defined(__AVX512BF16__)
 #define TOKENMILL_DPBF16 1
-// bf16 rows (x) in the weights' pair order: a row's block b, chunk c holds the activations that chunk c of the
-// weights' block multiplies, x[32b + pair_first(c)] and the one 2 after it, as one 32-bit pair.
-std::vector<uint32_t> paired_rows(const at::BFloat16* x, int64_t rows, int64_t in) {
+// The bits of a bf16: those of the value, or of the fp32 rounded to bf16 (to nearest, ties to even).
+inline uint32_t bf16_bits(at::BFloat16 v) { return v.x; }
+inline uint32_t bf16_bits(float v) { return at::BFloat16(v).x; }
+
+// bf16 rows (x, or fp32 rows rounded to bf16) in the weights' pair order: a row's block b, chunk c holds the
+// activations that chunk c of the weights' block multiplies, x[32b + pair_first(c)] and the one 2 after it, as one
+// 32-bit pair.
+template <typename T>
+std::vector<uint32_t> paired_rows(const T* x, int64_t rows, int64_t in) {
   std::vector<uint32_t> out(rows * in / 2);
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < in / kBlock; ++b)
         for (int c = 0; c < 16; ++c) {
-          const uint16_t* at = bits + r * in + b * kBlock + tokenmill::pair_first(c);
-          out[(r * in + b * kBlock) / 2 + c] = static_cast<uint32_t>(at[0]) | static_cast<uint32_t>(at[2]) << 16;
+          const T* at = x + r * in + b * kBlock + tokenmill::pair_first(c);
+          out[(r * in + b * kBlock) / 2 + c] = bf16_bits(at[0]) | bf16_bits(at[2]) << 16;
         }
   });
   return out;
@@ -496,10 +501,11 @@ void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, floa
   }
 }
 
-// w = scale * (q - zero) + shift per `sub` weights, in the interleaved layout above; out_features: the matrix's rows.
+// w = scale * (q - zero) + shift per `sub` weights, in the interleaved layout above; out_features: the matrix's rows;
+// bf16_rows: fp32 rows on bf16 weights multiply as their bf16 rounding (tokenmill::quantized_matmul).
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero, int64_t out_features,
-                            int64_t tiles_from_rows) {
+                            int64_t tiles_from_rows, bool bf16_rows) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   const QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, out_features);
   TORCH_CHECK(x.size(1) == w.in, "x has ", x.size(1), " features, the weight ", w.in);
@@ -521,7 +527,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
 #endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
-  tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>(), tiles_from_rows);
+  tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>(), tiles_from_rows, bf16_rows);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -614,9 +620,21 @@ QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at:
 }
 
 void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out,
-                                 int64_t tiles_from_rows) {
+                                 int64_t tiles_from_rows, bool bf16_rows) {
   if (takes_tiles(rows, tiles_from_rows)) {
     tile_matmul(x, rows, w, out);
+    return;
+  }
+#if defined(TOKENMILL_DPBF16)
+  if (bf16_rows && w.bits == 16) {
+    bf16_dot_matmul(paired_rows(x, rows, w.in).data(), rows, w, out);
+    return;
+  }
+#endif
+  if (bf16_rows && w.bits == 16) {  // the rows as a bf16 model's ops would have them, multiplied in fp32
+    std::vector<float> rounded(x, x + rows * w.in);
+    for (float& v : rounded) v = static_cast<float>(at::BFloat16(v));
+    quantized_matmul(rounded.data(), rows, w, out, tiles_from_rows, false);
     return;
   }
   tokenmill::with_layout(w, [&](auto bits, auto sub, auto s) {
@@ -658,7 +676,7 @@ std::vector<std::string> built_with() {
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, "
-        "int out_features, int tiles_from_rows=0) -> Tensor");
+        "int out_features, int tiles_from_rows=0, bool bf16_rows=False) -> Tensor");
   m.def("tiles_available() -> bool", &tokenmill::tiles_available);
   m.def("built_with() -> str[]", &built_with);
   m.def("dequantize(Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, int out_features, "

@@ -222,7 +222,7 @@ class LlamaModel(nn.Module):
         if self.fused_decode is not None and _fused_decode_runs(meta, x, self.fused_decode_below):
             # The fused layer's rows are fp32 (a bf16 model's residual stream widens for it, then narrows).
             dtype, x = x.dtype, x.float()
-            pending = self._decode_fused(x, ropes, meta)
+            pending = self._decode_fused(x, ropes, meta, dtype == torch.bfloat16)
             x, pending = x.to(dtype), pending.to(dtype)
         else:
             for layer, rope in zip(self.layers, ropes, strict=True):
@@ -239,8 +239,9 @@ class LlamaModel(nn.Module):
         return self.fused_decode is not None
 
     def _decode_fused(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
-                      meta: PagedMetadata) -> torch.Tensor:
-        """Every layer as one op each; x (the residual stream) is updated in place. Returns the last MLP output."""
+                      meta: PagedMetadata, bf16_rows: bool) -> torch.Tensor:
+        """Every layer as one op each; x (the residual stream) is updated in place. Returns the last MLP output.
+        bf16_rows: a bf16 model's, whose bf16 weights multiply the rows rounded to bf16, as its ops do unfused."""
         first = cast(DecoderLayer, self.layers[0])
         eps = first.input_layernorm.eps
         pools = [meta] if meta.sliding is None else [meta, meta.sliding]  # the steps over each KV pool
@@ -255,7 +256,7 @@ class LlamaModel(nn.Module):
             pending = torch.ops.tokenmill.decode_layer(
                 x, pending, weights, layouts, cos, sin, pool.k_cache[index], pool.v_cache[index], pool.slot_mapping,
                 tables[pool is not meta], meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale,
-                tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu)
+                tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu, bf16_rows)
         return pending
 
 
