@@ -33,7 +33,7 @@ start() {
     no-tiles) exec $TM serve "$GGUF" --port $PORT --threads 2 --amx-from-rows 0 ;;
     no-kernels) TOKENMILL_NO_KERNELS=1 exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
     one-pool) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-sliding-window-kv ;;
-    llama-server) exec $LS -m "$GGUF" -t 2 -np 32 -c 65536 --host 127.0.0.1 --port $PORT ;;
+    llama-server) exec $LS -m "$GGUF" -t 2 -np 32 -c 65536 -kvu --host 127.0.0.1 --port $PORT ;;  # -kvu: the slots share one pool (without it each slot gets c / np = 2,048 tokens and refuses longer prompts)
     tokenmill-hf) exec $TM serve "${HF:?set HF to a bf16 Hugging Face folder}" --port $PORT --threads 2 ;;
     vllm) exec bash "${VLLM_SH:-$(dirname "$0")/../../shared/peers/vllm-cpu.sh}" serve "${HF:?set HF}" $PORT ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
