@@ -22,7 +22,8 @@ TM=${TOKENMILL:-tokenmill}
 SERVERS=${SERVERS:-tokenmill dequantized no-kernels llama-server}  # any of start()'s names, in each round's order
 PORT=8123
 mkdir -p "$OUT"
-# Each server is exec'd by the background subshell, so $! is the server itself (what kill and rss() need).
+# llama-server's -kvu: its slots share one KV pool (without it each slot gets c / np = 2,048 tokens and refuses the
+# long prompt). Each server is exec'd by the background subshell, so $! is the server itself (what kill and rss() need).
 start() {
   case $1 in
     tokenmill) exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
@@ -33,7 +34,7 @@ start() {
     no-tiles) exec $TM serve "$GGUF" --port $PORT --threads 2 --amx-from-rows 0 ;;
     no-kernels) TOKENMILL_NO_KERNELS=1 exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
     one-pool) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-sliding-window-kv ;;
-    llama-server) exec $LS -m "$GGUF" -t 2 -np 32 -c 65536 -kvu --host 127.0.0.1 --port $PORT ;;  # -kvu: the slots share one pool (without it each slot gets c / np = 2,048 tokens and refuses longer prompts)
+    llama-server) exec $LS -m "$GGUF" -t 2 -np 32 -c 65536 -kvu --host 127.0.0.1 --port $PORT ;;
     tokenmill-hf) exec $TM serve "${HF:?set HF to a bf16 Hugging Face folder}" --port $PORT --threads 2 ;;
     vllm) exec bash "${VLLM_SH:-$(dirname "$0")/../../shared/peers/vllm-cpu.sh}" serve "${HF:?set HF}" $PORT ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
