@@ -117,23 +117,11 @@ void values_of(const Chunk& c, int64_t head, int64_t d0, const KV* v_cache, floa
     for (int p = 0; p < P; ++p) Vec::store(out + (head + g) * c.dim + (d0 + p) * Vec::kLanes, acc[g][p]);
 }
 
-// f(G) for the next G of `left` heads (G <= Vec::kHeads, a std::integral_constant).
+// f(G) for the next G of `left` heads (G <= Vec::kHeads, a std::integral_constant); returns G.
 template <typename F>
 int64_t with_heads(int64_t left, F&& f) {
-  if (left >= 4 && Vec::kHeads >= 4) {
-    f(std::integral_constant<int, 4>{});
-    return 4;
-  }
-  if (left >= 3 && Vec::kHeads >= 3) {
-    f(std::integral_constant<int, 3>{});
-    return 3;
-  }
-  if (left >= 2) {
-    f(std::integral_constant<int, 2>{});
-    return 2;
-  }
-  f(std::integral_constant<int, 1>{});
-  return 1;
+  tokenmill::with_count<Vec::kHeads>(left, f);
+  return std::min<int64_t>(left, Vec::kHeads);
 }
 #endif
 
@@ -275,6 +263,16 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
   });
 }
 
+// The attention ops' queries q [rows, heads, dim] against a pool of caches [blocks, block size, kv heads, dim]:
+// their shapes, layout and dtype agree.
+void check_pool(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the pool must share a dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "heads and the pool disagree");
+}
+
 // q: [seqs, heads, dim]; caches: [blocks, block size, kv heads, dim]; tables: [seqs, width] block ids;
 // lengths: [seqs] keys per sequence (its new token's included, already written to the pool).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -283,13 +281,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const at::Tensor q = q_in.contiguous();
   const at::Tensor tables = tables_in.to(at::kLong).contiguous();
   const at::Tensor lengths = lengths_in.to(at::kLong).contiguous();
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the pool must share a dtype");
+  check_pool(q, k_cache, v_cache);
   const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "heads and the pool disagree");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == seqs && lengths.numel() == seqs, "one table and length a query");
   const int64_t width = tables.size(1);
   const int64_t* len = lengths.data_ptr<int64_t>();

@@ -98,11 +98,7 @@ void by_slabs(int64_t vectors, Fn&& f) {
   const int64_t slabs = (vectors + kSlab - 1) / kSlab;
   for (int64_t s = 0, v0 = 0; s < slabs; ++s) {
     const int64_t size = (vectors - v0) / (slabs - s);
-    switch (size) {
-      case 3: f(v0, std::integral_constant<int, 3>{}); break;
-      case 2: f(v0, std::integral_constant<int, 2>{}); break;
-      default: f(v0, std::integral_constant<int, 1>{}); break;
-    }
+    tokenmill::with_count<kSlab>(size, [&](auto v) { f(v0, v); });
     v0 += size;
   }
 }
@@ -206,13 +202,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
                                    const at::Tensor& table_in, int64_t start, double scale, int64_t window) {
   const at::Tensor q = q_in.contiguous();
   const at::Tensor table = table_in.to(at::kLong).contiguous();
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the pool must share a dtype");
+  check_pool(q, k_cache, v_cache);  // attention.cpp's
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "heads and the pool disagree");
   TORCH_CHECK(table.dim() == 1 && start >= 0 && start + n <= table.numel() * block_size,
               "the rows' positions run past their block table");
   const int64_t* blocks = table.data_ptr<int64_t>();

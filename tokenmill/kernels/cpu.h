@@ -76,7 +76,6 @@ inline __m256 exp256(__m256 x) {
 struct Vec {
   static constexpr int64_t kLanes = 16;
   static constexpr int kHeads = 4;  // decode: query heads a pass over the keys takes, 4 x 4 sums + 4 keys
-  static constexpr int kSlab = 4;   // prefill: query rows whose 4 vectors of sums stay in registers
   using F = __m512;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F load(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
@@ -120,7 +119,6 @@ struct Vec {
 struct Vec {
   static constexpr int64_t kLanes = 8;
   static constexpr int kHeads = 2;  // 2 x 4 sums + 4 keys of the 16 registers
-  static constexpr int kSlab = 2;
   using F = __m256;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F load(const at::BFloat16* p) {
@@ -219,6 +217,19 @@ struct QuantizedRows {
 
 // Output rows interleaved in a quantized weight's group (quant.cpp describes the layout).
 constexpr int64_t kInterleave = 16;
+
+// f(N) for the count n clamped to 1..Max, N a std::integral_constant: the kernels that take a count of rows, heads
+// or vectors as a template argument (so that their sums stay in registers) dispatch through it.
+template <int Max, typename F>
+void with_count(int64_t n, F&& f) {
+  if constexpr (Max <= 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (n >= Max) {
+    f(std::integral_constant<int, Max>{});
+  } else {
+    with_count<Max - 1>(n, f);
+  }
+}
 
 // Activations a matmul of many rows keeps in cache (L2) while the weights pass: a block of rows at a time.
 constexpr int64_t kRowBlockBytes = 256 << 10;

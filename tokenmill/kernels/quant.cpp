@@ -433,23 +433,11 @@ void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, 
         const int64_t valid = std::min(gn * kLanes, w.out - g0 * kLanes);
         for (int64_t r0 = first; r0 < last; r0 += kDotRows) {
           const int64_t n = std::min(kDotRows, last - r0);
-          const auto run = [&](auto count) {
-            constexpr int N = decltype(count)::value;
-            switch (gn) {
-              case 4: bf16_dot_tile<4, N>(w, g0, x, r0, t); break;
-              case 3: bf16_dot_tile<3, N>(w, g0, x, r0, t); break;
-              case 2: bf16_dot_tile<2, N>(w, g0, x, r0, t); break;
-              default: bf16_dot_tile<1, N>(w, g0, x, r0, t); break;
-            }
-          };
-          switch (n) {
-            case 6: run(std::integral_constant<int, 6>{}); break;
-            case 5: run(std::integral_constant<int, 5>{}); break;
-            case 4: run(std::integral_constant<int, 4>{}); break;
-            case 3: run(std::integral_constant<int, 3>{}); break;
-            case 2: run(std::integral_constant<int, 2>{}); break;
-            default: run(std::integral_constant<int, 1>{}); break;
-          }
+          tokenmill::with_count<kDotRows>(n, [&](auto count) {
+            tokenmill::with_count<4>(gn, [&](auto set) {
+              bf16_dot_tile<decltype(set)::value, decltype(count)::value>(w, g0, x, r0, t);
+            });
+          });
           for (int64_t i = 0; i < n; ++i)
             std::memcpy(out + (r0 + i) * w.out + g0 * kLanes, t[i], valid * sizeof(float));
         }
@@ -458,22 +446,6 @@ void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, 
   }
 }
 #endif
-
-// f(N) for n rows (1..kRowTile), N as a std::integral_constant: the group kernels take their row count as a template
-// argument, so that each row's sums stay in registers.
-template <typename F>
-void with_row_count(int64_t n, F&& f) {
-  switch (n) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
 
 // out[rows, w.out], groups shared among the threads: tile(g, r0, N, t) puts group g's columns of rows r0..r0+N-1 in
 // t (N <= kRowTile, a std::integral_constant). Rows go in blocks of about kRowBlockBytes of activations (row_bytes a
@@ -492,7 +464,7 @@ void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, floa
         const int64_t valid = std::min(kLanes, w.out - g * kLanes);
         for (int64_t r0 = first; r0 < last; r0 += kRowTile) {
           const int64_t n = std::min(kRowTile, last - r0);
-          with_row_count(n, [&](auto count) { tile(g, r0, count, t); });
+          tokenmill::with_count<kRowTile>(n, [&](auto count) { tile(g, r0, count, t); });
           for (int64_t i = 0; i < n; ++i)
             std::memcpy(out + (r0 + i) * w.out + g * kLanes, t[i], valid * sizeof(float));
         }
