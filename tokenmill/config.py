@@ -80,6 +80,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "threads", "pooling"),
     "scheduling and KV memory": ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_queued_requests",
                                  "seed", "deterministic"),
+    "tensor parallelism": ("tensor_parallel_size",),
     "speculative decoding": ("speculative", "draft_model", "num_speculative_tokens", "prompt_lookup_min",
                              "prompt_lookup_max", "speculative_max_seqs"),
     "server": ("host", "port", "served_model_name", "log_level", "ui", "api_key", "allowed_origins",
@@ -92,7 +93,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
                                        "block_size", "prefix_caching", "sliding_window_kv", "prepack_weights",
                                        "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
                                        "amx_from_rows", "bf16_kernels", "fused_decode_layers", "cpu_prefill_attention",
-                                       "enforce_eager",
+                                       "tp_shared_memory", "enforce_eager",
                                        "gpu_row_matmul", "gpu_pdl"),
 }
 
@@ -163,6 +164,11 @@ class EngineConfig:
     cpu_prefill_attention: bool = option(True, "on CPU, prompt chunks attend through tokenmill's flash-attention "
                                                "kernel, straight from the paged KV pool (off: torch's SDPA over "
                                                "keys gathered from it, with a mask)")
+    tensor_parallel_size: int = option(1, "ranks on this host that each hold a share of every layer's heads and "
+                                          "MLP rows, run each step together and sum their partial results (on CPU "
+                                          "each rank takes --threads, by default the CPUs split among them)")
+    tp_shared_memory: bool = option(True, "tensor-parallel ranks on one CPU host all-reduce through shared memory "
+                                          "(off: torch.distributed's gloo)")
     enforce_eager: bool = option(False, "on CUDA, run decode steps op by op instead of replaying CUDA graphs (one "
                                         "per batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs, captured at "
                                         "start-up)")
@@ -205,7 +211,7 @@ class EngineConfig:
         _check_choices(self)
         # A step of no tokens would never run anything (a server whose requests waited forever).
         _check_counts(self, ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "threads",
-                             "num_speculative_tokens"))
+                             "num_speculative_tokens", "tensor_parallel_size"))
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"--prompt-lookup-min {self.prompt_lookup_min} --prompt-lookup-max "
                               f"{self.prompt_lookup_max}: n-grams of at least 1 token, min at most max")
@@ -216,6 +222,8 @@ class EngineConfig:
         if self.deterministic and self.kv != "paged":
             raise ConfigError("--deterministic needs --kv paged: its attention reads every row through the block "
                               "tables")
+        if self.tensor_parallel_size > 1 and self.kv != "paged":
+            raise ConfigError("--tensor-parallel-size needs --kv paged: every rank's pool holds the same blocks")
         if self.kv_cache_memory:  # None or "": the default
             parse_size(self.kv_cache_memory)
         if self.dense_weights_budget != "auto":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -29,14 +30,16 @@ def _available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 10
 
 
-def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max_model_len: int) -> KVCache:
+def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max_model_len: int,
+                   agree: Callable[[int], int] = int) -> KVCache:
     """Size KV memory from config.kv_cache_memory or the free memory, never beyond what --max-num-seqs contexts of
-    max_model_len tokens need."""
+    max_model_len tokens need; agree: the block counts every tensor-parallel rank takes, from this rank's (the
+    smallest of them: each rank's pool holds the same blocks)."""
     budget = parse_size(config.kv_cache_memory) if config.kv_cache_memory else _available_memory(device)
     max_tokens_needed = config.max_num_seqs * max_model_len
     cache: KVCache
     if config.kv == "paged":
-        num_blocks, sliding_blocks = _paged_blocks(config, spec, budget, max_model_len)
+        num_blocks, sliding_blocks = map(agree, _paged_blocks(config, spec, budget, max_model_len))
         if num_blocks < 1:
             raise ConfigError(f"KV memory of {budget} bytes holds no block of {config.block_size} tokens")
         cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, config.deterministic,

@@ -19,10 +19,12 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.spec import NgramProposer, Proposer, SuffixCacheProposer
+from tokenmill.engine.tensor_parallel import TensorParallel, start_rank0
 from tokenmill.errors import ConfigError
 from tokenmill.kernels import gpu
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.models.config import attention_crossover
+from tokenmill.parallel.collectives import agree_min
 from tokenmill.structured.backend import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class EngineParts:
     grammars: GrammarCompiler  # read by API threads (compile) and by the sampler (masks)
     sampler: Sampler
     proposer: Proposer | None
+    tensor_parallel: TensorParallel | None  # the worker ranks, with --tensor-parallel-size > 1
 
 
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
@@ -46,10 +49,24 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     config.check()
     gpu.use_row_matmul(config.gpu_row_matmul)
     gpu.use_pdl(config.gpu_pdl)
-    if loaded is None:
+    tp = None
+    if config.tensor_parallel_size > 1:
+        if loaded is not None:
+            raise ConfigError("--tensor-parallel-size > 1: the engine loads its shards itself (pass no model)")
+        tp, loaded = start_rank0(config)
+    elif loaded is None:
         if config.threads:
             torch.set_num_threads(config.threads)
         loaded = load(config, config.model, config.max_model_len)
+    try:
+        return _build(config, loaded, tp)
+    except BaseException:
+        if tp is not None:
+            tp.close()
+        raise
+
+
+def _build(config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None) -> EngineParts:
     if loaded.deterministic != config.deterministic:
         raise ConfigError(f"deterministic={config.deterministic} but the model was loaded with "
                           f"deterministic={loaded.deterministic}")
@@ -57,7 +74,11 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     tokenizer.token_bytes(0)  # its table is built here, not on the first request that asks for logprobs
     mc = loaded.config
     spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, mc.sliding_layers, mc.sliding_window)
-    kv_cache = build_kv_cache(config, spec, loaded.device, loaded.max_model_len)
+    kv_cache = build_kv_cache(config, spec, loaded.device, loaded.max_model_len,
+                              int if tp is None else agree_min)
+    if tp is not None:
+        tp.wait_for("ready")
+        tp.started()
     max_model_len = context_that_fits(config, loaded.max_model_len, kv_cache.capacity_tokens)
     scheduler = Scheduler(config, kv_cache, max_model_len, tokenizer.eos_token_ids, attention_crossover(mc))
     runner = ModelRunner(loaded.model, kv_cache, loaded.device,
@@ -65,7 +86,7 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     grammars = GrammarCompiler(tokenizer.to_json(), mc.vocab_size, tokenizer.eos_token_ids)
     sampler = Sampler(tokenizer.eos_token_ids, loaded.device, config.seed, grammars)
     return EngineParts(loaded, kv_cache, max_model_len, scheduler, runner, grammars, sampler,
-                       proposer(config, loaded, kv_cache, max_model_len))
+                       proposer(config, loaded, kv_cache, max_model_len), tp)
 
 
 def load(config: EngineConfig, model: str, max_model_len: int | None, draft: bool = False) -> LoadedModel:
@@ -93,6 +114,9 @@ def decode_graphs(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache,
     """CUDA graphs of decode steps, on a CUDA device over a paged pool where the GPU kernels run (they read the
     block tables themselves); none with --enforce-eager."""
     if loaded.device.type != "cuda" or config.enforce_eager or not isinstance(kv_cache, PagedKVCache):
+        return None
+    if config.tensor_parallel_size > 1:
+        log.info("decode steps run op by op: CUDA graphs are not captured across tensor-parallel ranks yet")
         return None
     if not backend.gpu_kernels(loaded.device):
         log.info("decode steps run op by op: CUDA graphs need the Triton kernels (kernels/gpu.py), not here")

@@ -25,6 +25,7 @@ from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogprob
 from tokenmill.engine.sampler import seeded_generator
 from tokenmill.engine.spec import Proposer, Speculation
+from tokenmill.engine.tensor_parallel import RankFailure
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
 from tokenmill.structured.backend import Grammar
@@ -60,6 +61,7 @@ class Engine:
         self.loaded, self.kv_cache, self.max_model_len = parts.loaded, parts.kv_cache, parts.max_model_len
         self.scheduler, self.runner, self.sampler = parts.scheduler, parts.runner, parts.sampler
         self.grammars = parts.grammars
+        self.tensor_parallel = parts.tensor_parallel
         self.speculation = Speculation(parts.proposer, self.config, self.max_model_len)
         self.tokenizer = self.loaded.tokenizer
         self.chat_template = self.loaded.chat_template
@@ -160,9 +162,24 @@ class Engine:
             return
         finally:
             self._ready.set()
+        try:
+            self._loop()
+        except RankFailure as exc:  # the engine ends (and the server with it): every request gets an error
+            log.error("engine stopped: %s", exc)
+            self._stopping = True
+            self._drain_inbox(block=False)
+            for seq in list(self._seqs.values()):
+                self._finish(seq, "error", error="the server lost a tensor-parallel rank")
+        finally:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.close()
+
+    def _loop(self) -> None:
         while not self._stopping:
             # Block for news only when idle; otherwise take what has arrived and step.
             self._drain_inbox(block=not self.scheduler.has_work())
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.check()
             if self._stopping:
                 break
             if self.scheduler.has_work():
@@ -232,7 +249,10 @@ class Engine:
         try:
             logits = self.runner.run(plan)
             tokens, logprobs = self._sample(logits, sampled, [item.draft for item in plan if item.samples])
-        except Exception:
+        except Exception as exc:
+            if self.tensor_parallel is not None:  # the ranks are out of step now: no step can run again
+                self.tensor_parallel.check(exc)
+                raise RankFailure(f"a tensor-parallel step failed: {exc}") from exc
             # A failing step fails the sequence that raises, not the server nor its batch neighbours: a batch
             # that fails is rerun one sequence at a time to find it.
             log.error("engine step failed:\n%s", traceback.format_exc())

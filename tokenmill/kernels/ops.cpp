@@ -8,3 +8,4 @@
 #include "attention_prefill.cpp"  // after attention.cpp, whose decode kernel it falls back on
 #include "layer.cpp"
 #include "tiles.cpp"
+#include "collectives.cpp"

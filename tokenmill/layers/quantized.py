@@ -138,6 +138,16 @@ class QuantizedWeight:
         """The weight of the given rows (output features), in that order."""
         return QuantizedWeight.interleave(*self.plain(index), self.zero, self.sub)
 
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        """The weight of input features start..end, both on a block of 32 (a block is never cut)."""
+        if start % 32 or end % 32:
+            raise ValueError(f"columns {start}..{end} cut a block of 32 weights")
+        q, scales, mins = self.plain()
+        blocks = q.view(q.shape[0], self.shape[1] // 32, -1)[:, start // 32:end // 32]
+        per_scale = slice(start // self.sub, end // self.sub)
+        return QuantizedWeight.interleave(blocks.reshape(q.shape[0], -1), scales[:, per_scale],
+                                          None if mins is None else mins[:, per_scale], self.zero, self.sub)
+
     def layout(self) -> tuple[int, int, int, bool]:
         return self.bits, self.zero, self.sub, self.mins is not None
 

@@ -23,6 +23,7 @@ from tokenmill.loader.sources import resolve
 from tokenmill.loader.tokenizer import Tokenizer
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.registry import CausalLM, build_model
+from tokenmill.parallel.sharding import Shard, check_shardable, shard_config, shard_weights
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +83,12 @@ DEFAULT_PLAN = WeightPlan()
 
 
 def load_model(model: str, plan: WeightPlan = DEFAULT_PLAN, max_model_len: int | None = None,
-               max_model_len_cap: int = 8192, past_trained_context: bool = False) -> LoadedModel:
+               max_model_len_cap: int = 8192, past_trained_context: bool = False,
+               shard: Shard | None = None) -> LoadedModel:
     """The model, its tokenizer and chat template, its weights held and run as `plan` says; its context
     max_model_len (None: the model's, at most max_model_len_cap), past the context it was trained for only where
-    past_trained_context allows."""
+    past_trained_context allows; shard: a tensor-parallel rank's share of it (parallel/sharding.py), whose config
+    the LoadedModel then holds."""
     path = resolve(model)
     dev = backend.resolve_device(plan.device)
     torch_dtype = backend.resolve_dtype(plan.dtype, dev)
@@ -116,6 +119,9 @@ def load_model(model: str, plan: WeightPlan = DEFAULT_PLAN, max_model_len: int |
         raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
     chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)
     served_len = max_model_len or min(config.max_position_embeddings, max_model_len_cap)
+    if shard is not None:
+        check_shardable(config, shard.size)
+        weights, config = shard_weights(weights, config, shard), shard_config(config, shard)
     net = build_model(config, weights, plan, torch_dtype, dev, served_len)
     del weights
     _return_freed_memory()

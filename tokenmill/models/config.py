@@ -45,6 +45,8 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # The output head's rows: the vocabulary (None), or a tensor-parallel rank's share of it (parallel/sharding.py).
+    head_rows: int | None = None
 
     @property
     def sandwich_norms(self) -> bool:

@@ -278,7 +278,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = self.model_class(config, max_positions)
         if not config.tie_word_embeddings:
-            self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.head_rows or config.vocab_size,
+                                                  bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [tokens, hidden] of a flat batch."""

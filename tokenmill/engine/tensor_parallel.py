@@ -1,0 +1,282 @@
+"""Tensor parallelism on one host: rank 0 (the engine thread) keeps the API, scheduler, caches' bookkeeping, sampler
+and proposers, and sends each step's inputs to worker ranks, processes it spawns; every rank holds its shard of the
+weights (parallel/sharding.py) and its own KV pool of the same blocks, runs the step, and all-reduces its partial
+sums (parallel/collectives.py); rank 0 gathers the head's columns.
+
+A worker that dies makes rank 0's collectives fail at once (the monitor thread sets the group's abort code) and
+`failure` says which rank: the engine ends, and the server with it. A worker whose rank 0 is gone exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill import backend
+from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
+from tokenmill.cache.sizing import build_kv_cache
+from tokenmill.config import EngineConfig
+from tokenmill.errors import ConfigError
+from tokenmill.layers.attention import AttentionMetadata, PagedMetadata
+from tokenmill.loader import LoadedModel, load_model
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.parallel.collectives import Group, GroupSpec, agree_min, join, new_spec
+from tokenmill.parallel.layers import all_reduce_partial_sums
+from tokenmill.parallel.sharding import Shard
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # a worker that has not loaded its shard in this long stops the start
+
+
+class RankFailure(RuntimeError):
+    """A rank of the tensor-parallel group is gone or hangs: the engine cannot run another step."""
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Each rank's threads: --threads, or the CPUs this process may use split among the ranks."""
+    return config.threads or max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
+
+
+def load_shard(config: EngineConfig, rank: int) -> LoadedModel:
+    return load_model(config.model, config.weight_plan(), config.max_model_len,
+                      past_trained_context=config.allow_long_max_model_len,
+                      shard=Shard(rank, config.tensor_parallel_size))
+
+
+def kv_spec(loaded: LoadedModel) -> KVSpec:
+    mc = loaded.config
+    return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, mc.sliding_layers, mc.sliding_window)
+
+
+class ShardedModel:
+    """Rank 0's model: each call runs on every rank (the workers are sent its inputs first)."""
+
+    def __init__(self, model: LlamaForCausalLM, group: Group, vocab_size: int) -> None:
+        self.model = model
+        self.group = group
+        self.widths = Shard(0, group.size).widths(vocab_size)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert isinstance(meta, PagedMetadata), "EngineConfig.check() refuses --kv contiguous with tensor parallelism"
+        self.group.send(("forward", input_ids.cpu().numpy(), positions.cpu().numpy(), _meta_to_wire(meta)))
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.send(("logits", _tensor_to_wire(hidden)))
+        logits = self.group.gather_columns(self.model.compute_logits(hidden), self.widths)
+        assert logits is not None
+        return logits
+
+
+class TensorParallel:
+    """Rank 0's handle on the group: its workers, the group, and what went wrong (failure)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        size = config.tensor_parallel_size
+        device = backend.resolve_device(config.device)
+        shm = config.tp_shared_memory and device.type == "cpu" and backend.cpu_kernels(device)
+        self.spec = new_spec(size, shm)
+        ctx = multiprocessing.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            worker = ctx.Process(target=run_worker, name=f"tokenmill-rank-{rank}", daemon=True,
+                                 args=(config, self.spec, rank, theirs, logging.getLogger().level))
+            worker.start()
+            self.conns.append(ours)
+            self.workers.append(worker)
+        self.failure: str | None = None
+        self._closed = False
+        try:
+            self.group = join(self.spec, 0, device)
+        except BaseException:
+            self._stop_workers()
+            raise
+        log.info("tensor parallelism: %d ranks on this host, %d threads each, all-reduce through %s", size,
+                 rank_threads(config), "shared memory" if shm else "torch.distributed")
+
+    def wait_for(self, stage: str) -> None:
+        """Every worker's report of `stage` (loaded, ready); a worker that reports an error or dies stops the start
+        with its reason."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (conn, worker) in enumerate(zip(self.conns, self.workers, strict=True), start=1):
+            ready = multiprocessing.connection.wait([conn, worker.sentinel], timeout=deadline - time.monotonic())
+            reason = f"no word in {START_TIMEOUT_S:.0f} s"
+            if conn in ready:
+                got, detail = conn.recv()
+                if got == stage:
+                    continue
+                reason = detail
+            elif worker.sentinel in ready:
+                reason = f"the process exited (code {worker.exitcode})"
+            self.close()
+            raise ConfigError(f"tensor-parallel rank {rank} failed to start: {reason}")
+
+    def started(self) -> None:
+        """The group is up: its shared segment can go from the file system (every rank has it mapped), and a
+        thread watches the workers from now on."""
+        if self.spec.shm_path:
+            os.unlink(self.spec.shm_path)
+        threading.Thread(target=self._watch, name="tokenmill-tp-monitor", daemon=True).start()
+
+    def _watch(self) -> None:
+        sentinels = {worker.sentinel: rank for rank, worker in enumerate(self.workers, start=1)}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._closed:
+            return
+        rank = sentinels[ready[0]]  # type: ignore[index]
+        self.failure = f"tensor-parallel rank {rank} exited (code {self.workers[rank - 1].exitcode})"
+        log.error("%s: the engine stops", self.failure)
+        self.group.abort(rank)
+
+    def check(self, exc: BaseException | None = None) -> None:
+        """Raise RankFailure where the group failed (exc: what a step raised, perhaps because of it)."""
+        if self.failure is not None or isinstance(exc, TimeoutError):
+            raise RankFailure(self.failure or str(exc)) from exc
+
+    def close(self) -> None:
+        """Stop the workers (told to, then made to) and leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.failure is None and all(w.is_alive() for w in self.workers):
+            try:
+                self.group.send(("stop",))
+            except Exception:  # a rank gone meanwhile: the processes are ended below
+                log.debug("tensor-parallel stop not delivered", exc_info=True)
+        self._stop_workers()
+        self.group.close()
+
+    def _stop_workers(self) -> None:
+        for worker in self.workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.terminate()
+        if self.spec.shm_path and os.path.exists(self.spec.shm_path):
+            os.unlink(self.spec.shm_path)
+
+
+def start_rank0(config: EngineConfig) -> tuple[TensorParallel, LoadedModel]:
+    """Spawn the workers, load rank 0's shard beside them, and agree on the KV pool (built by the caller from
+    config with agree=agree_min, as every worker builds its own)."""
+    tp = TensorParallel(config)
+    try:
+        torch.set_num_threads(rank_threads(config))
+        loaded = load_shard(config, 0)
+        all_reduce_partial_sums(loaded.model, tp.group)  # type: ignore[arg-type]
+        tp.wait_for("loaded")
+    except BaseException:
+        tp.close()
+        raise
+    loaded.model = ShardedModel(loaded.model, tp.group, loaded.config.vocab_size)  # type: ignore[arg-type]
+    return tp, loaded
+
+
+# --- a worker's process ---------------------------------------------------------------------------------------
+
+def run_worker(config: EngineConfig, spec: GroupSpec, rank: int, conn: Connection, log_level: int) -> None:
+    """A worker rank: join the group, load its shard, build its KV pool, then run what rank 0 sends until told to
+    stop (or rank 0 is gone)."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    parent = os.getppid()
+    try:
+        torch.set_num_threads(rank_threads(config))
+        device = backend.resolve_device(config.device)
+        group = join(spec, rank, device)
+        loaded = load_shard(config, rank)
+        model = loaded.model
+        assert isinstance(model, LlamaForCausalLM)
+        all_reduce_partial_sums(model, group)
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("loaded", None))
+    try:
+        cache = build_kv_cache(config, kv_spec(loaded), device, loaded.max_model_len, agree=agree_min)
+        assert isinstance(cache, PagedKVCache)
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    widths = Shard(rank, spec.size).widths(loaded.config.vocab_size)
+    try:
+        serve(group, model, cache, widths, device, lambda: os.getppid() == parent)
+    except ConnectionError as exc:
+        log.error("%s: exiting", exc)
+    finally:
+        group.close()
+
+
+def serve(group: Group, model: LlamaForCausalLM, cache: PagedKVCache, widths: list[int], device: torch.device,
+          alive: Callable[[], bool]) -> None:
+    """Run rank 0's commands: a step's forward pass, the head over rows of its hidden states, stop."""
+    with torch.inference_mode():
+        while True:
+            command, *args = group.receive(alive)
+            if command == "forward":
+                ids, positions, meta = args
+                model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device),
+                      _meta_from_wire(meta, cache, device))
+            elif command == "logits":
+                group.gather_columns(model.compute_logits(_tensor_from_wire(args[0], device)), widths)
+            elif command == "stop":
+                return
+
+
+# --- a step's inputs as plain arrays (pickled cheaply; the pools stay on each rank) ----------------------------
+
+def _map_arrays(obj: Any, convert: Callable[[Any], Any], kind: type) -> Any:
+    """obj with every `kind` (tensor or array) in it converted, through lists, tuples and dataclasses."""
+    if isinstance(obj, kind):
+        return convert(obj)
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map_arrays(o, convert, kind) for o in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map_arrays(getattr(obj, f.name), convert, kind)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def _without_pools(meta: PagedMetadata) -> PagedMetadata:
+    none = torch.empty(0)
+    sliding = None if meta.sliding is None else _without_pools(meta.sliding)
+    return dataclasses.replace(meta, k_cache=none, v_cache=none, sliding=sliding)
+
+
+def _meta_to_wire(meta: PagedMetadata) -> PagedMetadata:
+    return _map_arrays(_without_pools(meta), lambda t: t.cpu().numpy(), torch.Tensor)
+
+
+def _meta_from_wire(meta: PagedMetadata, cache: PagedKVCache, device: torch.device) -> PagedMetadata:
+    meta = _map_arrays(meta, lambda a: torch.from_numpy(a).to(device), np.ndarray)
+    meta.k_cache, meta.v_cache = cache.full.k, cache.full.v
+    if meta.sliding is not None:
+        assert cache.sliding is not None
+        meta.sliding.k_cache, meta.sliding.v_cache = cache.sliding.k, cache.sliding.v
+    return meta
+
+
+def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """numpy has no bf16: 16-bit values travel as int16 and are viewed back."""
+    t = t.detach().cpu().contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    return (t.view(torch.int16) if t.element_size() == 2 else t).numpy(), dtype
+
+
+def _tensor_from_wire(wire: tuple[np.ndarray, str], device: torch.device) -> torch.Tensor:
+    array, dtype = wire
+    return torch.from_numpy(array).view(getattr(torch, dtype)).to(device)
