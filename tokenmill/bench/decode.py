@@ -4,6 +4,7 @@
     python -m tokenmill.bench.decode MODEL --quantized off --bf16-kernels both --streams 1 32 --prefill
     python -m tokenmill.bench.decode MODEL --device cuda --dtype bfloat16 --streams 1 32 256 --graphs both \\
         --row-matmul both --prefill --profile
+    python -m tokenmill.bench.decode MODEL --tensor-parallel-size 1 2 --threads 2 --streams 1 8
 
 Each run sends --streams requests at once, each generating --tokens tokens greedily with ignore_eos. Decode speed
 is the tokens that arrive while every stream decodes, over that window (from the last stream's first token to the
@@ -12,7 +13,8 @@ also times 8 prompts of 1,000 tokens (one output token each). --profile times th
 steps (schedule, the runner, sampling, update, emit; the GPU's time by CUDA events), then records 16 more with
 torch.profiler and prints the kernels a step and their time. Prints the median and range over the runs, and the
 weights' bytes read per second (each step reads every weight once: the quantized weights, or their dense copies
-where a step of many rows runs on them) where there are runs.
+where a step of many rows runs on them) where there are runs. --tensor-parallel-size: each size in its own run,
+--threads split among its ranks (their weights: rank 0's share).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import asyncio
 import multiprocessing
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -211,13 +213,14 @@ def measure(config: EngineConfig, timing: Timing) -> dict:
     try:
         prompt_ids = engine.tokenizer.encode(PROMPT)
         asyncio.run(_streams(engine, [prompt_ids] * max(streams), 8))  # warm-up
-        modules = list(engine.runner.model.modules())  # type: ignore[attr-defined]
+        model = getattr(engine.runner.model, "model", engine.runner.model)  # rank 0's shard, with tensor parallelism
+        modules = list(model.modules())  # type: ignore[union-attr]
         linears = [m for m in modules if isinstance(m, QuantizedLinear | GpuQuantizedLinear)]
         kept = [m.weight.bits for m in linears]
         # The bytes a step reads: a step of few rows the quantized weights, one of many their dense copies, if any
         copies = [m.dense for m in linears if m.dense is not None]
         copied = sum(m.weight.nbytes for m in linears if m.dense is not None)
-        total = sum(weight_bytes(engine.runner.model))
+        total = sum(weight_bytes(model))
         copies_from = gpu.QUANTIZED_ROWS + 1 if engine.runner.device.type == "cuda" else DENSE_FROM_ROWS
         result: dict = {"weights": total - sum(sum(weight_bytes(c)) for c in copies),
                         "weights_many": total - copied, "copies_from": copies_from,
@@ -266,6 +269,8 @@ def main() -> None:
     parser.add_argument("--pdl", choices=["on", "off", "both"], default="on",
                         help="CUDA, sm_90 and newer: the Triton kernels launch with programmatic dependent launch "
                              "(off: --no-gpu-pdl; both: each, in its own process)")
+    parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1],
+                        help="ranks, each size in its own run; --threads is split among them")
     parser.add_argument("--bf16-kernels", choices=["on", "off", "both"], default="on",
                         help="CPU: dense matrices of bf16 values run tokenmill's kernels (off: --no-bf16-kernels, "
                              "oneDNN's matmuls; both: each, in its own process)")
@@ -273,23 +278,23 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads")
-    print(f"{'dtype':<10} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} {'streams':>7} "
+    print(f"{'dtype':<10} {'tp':<3} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} {'streams':>7} "
           f"{'median tok/s':>12} "
           f"{'min':>9} {'max':>9} {'weights GB/s':>12} {'step ms':>8} {'x 1 row':>7}")
     spawn = multiprocessing.get_context("spawn")
     timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads,
                     args.long)
     both = {"on": [True], "off": [False], "both": [False, True]}
-    runs = [(d, q, g, r, p, k) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
-            for r in both[args.row_matmul] for p in both[args.pdl] for k in both[args.bf16_kernels]]
-    for dtype, quantized, graphs, row, pdl, bf16_kernels in runs:
-        # A fresh process each, so none inherits another's memory, thread pools or graphs.
-        with spawn.Pool(1) as pool:
-            config = EngineConfig(model=args.model, dtype=dtype, device=args.device, quantized_weights=quantized,
-                                  max_num_seqs=max(args.streams), enforce_eager=not graphs, gpu_row_matmul=row,
-                                  gpu_pdl=pdl, bf16_kernels=bf16_kernels)
-            result = pool.apply(measure, (config, timing))
-        mode = (f"{'on' if result['quantized'] else 'off':<6} {'on' if result['bf16_kernels'] else 'off':<6} "
+    runs = [(d, q, g, r, p, k, tp) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
+            for r in both[args.row_matmul] for p in both[args.pdl] for k in both[args.bf16_kernels]
+            for tp in args.tensor_parallel_size]
+    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp in runs:
+        config = EngineConfig(model=args.model, dtype=dtype, device=args.device, quantized_weights=quantized,
+                              max_num_seqs=max(args.streams), enforce_eager=not graphs, gpu_row_matmul=row,
+                              gpu_pdl=pdl, bf16_kernels=bf16_kernels, tensor_parallel_size=tp,
+                              threads=max(1, threads // tp) if tp > 1 else args.threads)
+        result = _in_fresh_process(spawn, config, replace(timing, threads=None) if tp > 1 else timing)
+        mode = (f"{tp:<3} {'on' if result['quantized'] else 'off':<6} {'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
         one_row = 1 / statistics.median(result[1]) if 1 in args.streams else None
@@ -313,6 +318,26 @@ def main() -> None:
         if "profile" in result:
             print(f"profile, {dtype}, quantized, bf16 kernels, graphs, row matmul and PDL {' '.join(mode.split())}:\n"
                   f"{result['profile']}")
+
+def _in_fresh_process(spawn: Any, config: EngineConfig, timing: Timing) -> dict:
+    """measure() in a fresh process, so that no run inherits another's memory, thread pools or graphs (not a pool's
+    daemon: tensor-parallel ranks are its children)."""
+    results = spawn.Queue()
+    process = spawn.Process(target=_measure_into, args=(config, timing, results))
+    process.start()
+    result = results.get()
+    process.join()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _measure_into(config: EngineConfig, timing: Timing, results: Any) -> None:
+    try:
+        results.put(measure(config, timing))
+    except BaseException as exc:
+        results.put(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
 
 if __name__ == "__main__":
     main()
