@@ -46,6 +46,9 @@ def test_workloads_are_seeded_and_shaped() -> None:
 
     shared = build(WorkloadParams("shared-prefix", num_requests=5))
     assert len({c.system for c in shared}) == 1 and len({c.turns[0] for c in shared}) == 5
+    tenants = build(WorkloadParams("tenants", num_requests=48, system_prompts=6, prefix_len=100))
+    assert len({c.system for c in tenants}) == 6 and len({c.turns[0] for c in tenants}) == 48
+    assert all(len(str(c.system).split()) == round(100 * WORDS_PER_TOKEN) for c in tenants)
     long = build(WorkloadParams("long-prompt", num_requests=8, prompt_len=50, long_prompt_len=1000))
     assert sorted(len(c.turns[0].split()) > 500 for c in long) == [False] * 2 + [True] * 6
     assert all(len(c.turns) == 3 for c in build(WorkloadParams("multi-turn", num_requests=2, turns=3)))

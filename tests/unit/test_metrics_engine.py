@@ -61,6 +61,10 @@ def test_metrics_are_named_and_described_as_vllm_names_them() -> None:
         "tokenmill:num_requests_running": ("gauge", "Sequences in the running batch."),
         "tokenmill:num_requests_waiting": ("gauge", "Sequences waiting to be admitted."),
         "tokenmill:kv_cache_usage_perc": ("gauge", "Share of KV memory held by live requests (0 to 1)."),
+        "vllm:num_requests_running": ("gauge", "As tokenmill:num_requests_running."),
+        "vllm:num_requests_waiting": ("gauge", "As tokenmill:num_requests_waiting."),
+        "vllm:kv_cache_usage_perc": ("gauge", "As tokenmill:kv_cache_usage_perc."),
+        "vllm:gpu_cache_usage_perc": ("gauge", "As tokenmill:kv_cache_usage_perc (vLLM's older name)."),
         "tokenmill:num_preemptions": ("counter", "Sequences preempted for KV memory."),
         "tokenmill:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache."),
         "tokenmill:prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache."),
@@ -94,6 +98,9 @@ def test_gauges_show_what_runs_waits_and_holds_kv_memory() -> None:
     assert m.value("tokenmill:num_requests_running") == 3
     assert m.value("tokenmill:num_requests_waiting") == 1
     assert m.value("tokenmill:kv_cache_usage_perc") == 0.25
+    # vLLM's names, which the Gateway API inference extension reads, carry the same values
+    assert (m.value("vllm:num_requests_running"), m.value("vllm:num_requests_waiting"),
+            m.value("vllm:kv_cache_usage_perc"), m.value("vllm:gpu_cache_usage_perc")) == (3, 1, 0.25, 0.25)
 
 
 def test_a_step_counts_the_schedulers_stats_once_and_its_prompt_tokens_per_second(now: SimpleNamespace) -> None:

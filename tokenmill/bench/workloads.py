@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from tokenmill.config import option  # one --flag per field, as for the server's config
 
-WORKLOADS = ("baseline", "burst", "staggered", "long-prompt", "shared-prefix", "multi-turn", "rewrite", "repeated")
+WORKLOADS = ("baseline", "burst", "staggered", "long-prompt", "shared-prefix", "multi-turn", "rewrite", "repeated",
+             "tenants")
 WORDS_PER_TOKEN = 0.92
 
 _WORDS = """
@@ -59,7 +60,9 @@ class WorkloadParams:
     long_fraction: float = option(0.75, "share of long prompts in long-prompt")
     long_prompt_delay: float = option(0.0, "seconds into the run at which long-prompt's long prompts arrive, so the "
                                            "short ones are already decoding (0: with the rest)")
-    prefix_len: int = option(1000, "approximate tokens of shared-prefix's common system prompt")
+    prefix_len: int = option(1000, "approximate tokens of shared-prefix's common system prompt (tenants': of each)")
+    system_prompts: int = option(6, "tenants: the system prompts the requests share, each request one of them in "
+                                    "seeded order (replicas behind a cache-aware gateway keep each on one replica)")
     turns: int = option(4, "turns of each multi-turn conversation")
     request_rate: float | None = option(None, "Poisson arrivals per second; None: all at once (staggered: 1.0)")
     seed: int = option(0, "seed of prompts, arrivals and sampling")
@@ -120,6 +123,8 @@ def build(params: WorkloadParams) -> list[Conversation]:
     rng = random.Random(f"{params.seed}-{params.name}")
     n = params.num_requests
     system = synthetic_text(rng, params.prefix_len) if params.name == "shared-prefix" else None
+    tenants = [synthetic_text(rng, params.prefix_len) for _ in range(params.system_prompts)] \
+        if params.name == "tenants" else []
     if params.name == "long-prompt":
         # A fixed share of long prompts, in seeded order, so even a small run has both kinds.
         n_long = round(n * params.long_fraction)
@@ -134,6 +139,8 @@ def build(params: WorkloadParams) -> list[Conversation]:
     text = rewrite_prompt if params.name == "rewrite" else synthetic_text
     conversations = [Conversation(i, [text(rng, lengths[i]) for _ in range(turns)], system, arrival, long[i])
                      for i, arrival in enumerate(arrivals)]
+    for c in conversations if tenants else ():
+        c.system = rng.choice(tenants)
     if params.name == "repeated":  # each of n / 4 prompts sent four times, in turn: an agent's or extractor's calls
         for c in conversations:
             c.turns = conversations[c.index % max(1, n // 4)].turns

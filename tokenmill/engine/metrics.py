@@ -93,6 +93,13 @@ class EngineMetrics:
         self.waiting = Gauge("tokenmill:num_requests_waiting", "Sequences waiting to be admitted.", registry=r)
         self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc",
                               "Share of KV memory held by live requests (0 to 1).", registry=r)
+        # The same gauges under vLLM's names, which the Kubernetes Gateway API inference extension (and gateways
+        # that follow it) read to pick an endpoint: docs/features/scaling-out.md.
+        self.vllm_running = Gauge("vllm:num_requests_running", "As tokenmill:num_requests_running.", registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "As tokenmill:num_requests_waiting.", registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "As tokenmill:kv_cache_usage_perc.", registry=r)
+        self.vllm_gpu_kv_usage = Gauge("vllm:gpu_cache_usage_perc", "As tokenmill:kv_cache_usage_perc (vLLM's "
+                                       "older name).", registry=r)
         self.preemptions = Counter("tokenmill:num_preemptions", "Sequences preempted for KV memory.", registry=r)
         self.prefix_queries = Counter("tokenmill:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.", registry=r)
@@ -130,9 +137,11 @@ class EngineMetrics:
 
     def set_gauges(self, scheduler: Scheduler, kv: _KVUsage) -> None:
         """Once per loop turn: what runs, waits and holds KV memory now."""
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_usage.set(kv.usage())
+        running, waiting, usage = len(scheduler.running), len(scheduler.waiting), kv.usage()
+        for gauge, value in ((self.running, running), (self.waiting, waiting), (self.kv_usage, usage),
+                             (self.vllm_running, running), (self.vllm_waiting, waiting),
+                             (self.vllm_kv_usage, usage), (self.vllm_gpu_kv_usage, usage)):
+            gauge.set(value)
 
     def count(self, scheduler: Scheduler, prompt_tokens: int) -> None:
         """Once per step: what the scheduler counted since the last step, and the prompt tokens the step runs."""

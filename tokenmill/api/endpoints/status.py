@@ -1,4 +1,5 @@
-"""The server's own routes: /health, /metrics (Prometheus) and /stats (the dashboard's data)."""
+"""The server's own routes: /health, /metrics (Prometheus), /stats (the dashboard's data), and /version and
+/server_info, which gateways (smg) read to learn what a replica serves."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tokenmill import __version__
 from tokenmill.api.errors import error_response
 from tokenmill.api.serving import serving_of
 
@@ -38,3 +40,21 @@ async def stats(request: Request) -> JSONResponse:
     return JSONResponse({"object": "tokenmill.stats", "time": time.time(), "model": serving.model_id,
                          "uptime_s": round(time.time() - serving.created, 1), "max_model_len": engine.max_model_len,
                          "max_num_seqs": engine.config.max_num_seqs, **engine.snapshot()})
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> JSONResponse:
+    """What this replica serves, under the names SGLang's /server_info gives them (smg reads it when it adds a
+    worker)."""
+    serving = serving_of(request)
+    engine = serving.engine
+    return JSONResponse({
+        "model_path": str(engine.model_path), "served_model_name": serving.model_id,
+        "tokenizer_path": str(engine.model_path), "tp_size": engine.config.tensor_parallel_size, "dp_size": 1,
+        "context_length": engine.max_model_len, "max_running_requests": engine.config.max_num_seqs,
+        "max_total_num_tokens": engine.kv_cache.capacity_tokens, "is_generation": True, "version": __version__})
