@@ -4,6 +4,7 @@ the engine with an error for every request."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # fp32: the ranks' partial sums add in another order than one matmul's (measured: 2e-6 relative at most)
 FP32_RELATIVE = 1e-4
 MARGIN = 1e-3  # top-1 margins below this may flip with the order of the sums
+LAST_RUN: dict[str, float] = {}  # what the last run() counted
 
 
 def llama_folder(root: Path, heads: int, kv_heads: int, tied: bool = False) -> Path:
@@ -48,13 +50,16 @@ def run(model: Path | str, size: int, dtype: str = "float32", prompts: list[list
 
     def recorded(plan):
         out = step(plan)
-        for item, row in zip([item for item in plan if item.samples], out, strict=True):
-            logits.setdefault(item.seq.seq_id, []).append(row.float().clone())
+        sampled = [item for item in plan if item.samples]
+        if len(sampled) == len(out):  # not a speculative step's (its proposals' rows too)
+            for item, row in zip(sampled, out, strict=True):
+                logits.setdefault(item.seq.seq_id, []).append(row.float().clone())
         return out
 
     engine.runner.run = recorded  # type: ignore[method-assign]
     try:
         tokens = generate(engine, prompts, [GREEDY] * len(prompts), timeout=600)
+        LAST_RUN["preemptions"] = engine.metrics.value("tokenmill:num_preemptions_total")
     finally:
         engine.stop()
     return tokens, logits
@@ -172,3 +177,51 @@ def test_a_dead_rank_ends_the_engine_and_its_requests(tmp_path_factory: pytest.T
     while engine.alive and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.alive
+
+
+def test_features_on_two_ranks_give_one_ranks_tokens(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """What the scheduler, speculation and deterministic mode do on rank 0 alone, over a sharded step: prompt
+    chunks of 8 tokens with KV memory that preempts (256 tokens for 8 sequences of up to 58), n-gram and suffix
+    speculation (verify steps of several rows), deterministic mode."""
+    folder = llama_folder(tmp_path_factory.getbasetemp(), 4, 2)
+    tokens, _ = run(folder, 1)
+    squeezed = dict(max_num_batched_tokens=8, kv_cache_memory=str(256 * 256))
+    assert run(folder, 2, **squeezed)[0] == tokens
+    assert LAST_RUN["preemptions"] > 0
+    assert run(folder, 2, speculative="ngram")[0] == tokens
+    assert run(folder, 2, speculative="suffix")[0] == tokens
+    deterministic, _ = run(folder, 1, deterministic=True)
+    assert run(folder, 2, deterministic=True)[0] == deterministic
+
+
+def test_embeddings_and_prompt_logprobs_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Pooled hidden states (rank 0's, after the last all-reduce) and prompt logprobs (the head over every prompt
+    row, gathered from both ranks) as one rank gives them."""
+    folder = llama_folder(tmp_path_factory.getbasetemp(), 4, 2)
+
+    def answers(size: int) -> tuple[list[list[float]], list]:
+        engine = Engine(EngineConfig(model=str(folder), tensor_parallel_size=size, dtype="float32", device="cpu",
+                                     threads=1, max_model_len=256, pooling="mean"))
+        engine.start()
+        try:
+            outs: dict[int, list] = {}
+            done = threading.Event()
+
+            def sink(out) -> None:
+                outs.setdefault(out.seq_id, []).append(out)
+                if sum(o[-1].finish_reason is not None for o in outs.values()) == 2:
+                    done.set()
+
+            embedded = engine.add(PROMPTS[3], SamplingParams(max_tokens=1), sink, embed=True)
+            scored = engine.add(PROMPTS[5], SamplingParams(max_tokens=1, prompt_logprobs=2), sink)
+            assert done.wait(60)
+            return outs[embedded][0].embedding, outs[scored][0].prompt_logprobs
+        finally:
+            engine.stop()
+
+    (vector1, scores1), (vector2, scores2) = answers(1), answers(2)
+    assert torch.allclose(torch.tensor(vector1), torch.tensor(vector2), atol=1e-5)
+    assert len(scores1) == len(scores2) == len(PROMPTS[5]) - 1
+    for a, b in zip(scores1, scores2, strict=True):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]

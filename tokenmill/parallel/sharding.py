@@ -77,26 +77,26 @@ def shard_weights(weights: Iterable[tuple[str, Weight]], config: ModelConfig,
     for name, value in weights:
         leaf = name.rsplit(".", 2)[-2]
         if leaf == "q_proj":
-            yield name, _rows(name, value, *q)
+            yield name, _rows(value, *q)
         elif leaf in ("k_proj", "v_proj"):
-            yield name, _rows(name, value, *kv)
+            yield name, _rows(value, *kv)
         elif leaf in ("gate_proj", "up_proj"):
-            yield name, _rows(name, value, *mlp)
+            yield name, _rows(value, *mlp)
         elif leaf in ("o_proj", "down_proj"):
             if name.endswith(".bias"):
                 raise ConfigError(f"{name}: a bias after a split matmul is not sharded yet (--tensor-parallel-size 1)")
             yield name, _columns(name, value, *(q if leaf == "o_proj" else mlp))
         elif name == "lm_head.weight":
-            yield name, _rows(name, value, *vocab)
+            yield name, _rows(value, *vocab)
         elif name == "model.embed_tokens.weight":
             yield name, value
             if config.tie_word_embeddings:  # the head this rank computes: its rows of the embeddings
-                yield "lm_head.weight", _rows(name, value, *vocab)
+                yield "lm_head.weight", _rows(value, *vocab)
         else:
             yield name, value
 
 
-def _rows(name: str, value: Weight, start: int, end: int) -> Weight:
+def _rows(value: Weight, start: int, end: int) -> Weight:
     if isinstance(value, QuantizedWeight):
         return value.rows(torch.arange(start, end))
     return value[start:end].clone()
