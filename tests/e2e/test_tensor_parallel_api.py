@@ -86,6 +86,17 @@ def test_a_repeated_prompt_hits_the_prefix_cache(client: openai.OpenAI) -> None:
     assert first.choices[0].message.content == again.choices[0].message.content
 
 
+def test_the_dashboards_data_shows_the_ranks(server: ServerThread) -> None:
+    ranks = httpx.get(f"{server.root_url}/stats").json()["tensor_parallel"]
+    assert ranks["size"] == 2 and [r["up"] for r in ranks["ranks"]] == [True, True]
+    assert ranks["collectives"] == "shared memory"
+
+
+def test_server_info_says_what_a_gateway_reads(server: ServerThread) -> None:
+    info = httpx.get(f"{server.root_url}/server_info").json()
+    assert info["tp_size"] == 2 and info["served_model_name"] == MODEL
+
+
 def test_zz_a_killed_rank_turns_health_to_503_and_ends_the_server(server: ServerThread) -> None:
     """Last in the module: it ends the module's server."""
     assert httpx.get(f"{server.root_url}/health").status_code == 200

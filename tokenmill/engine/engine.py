@@ -122,7 +122,9 @@ class Engine:
                       "cached_tokens": seq.num_cached_tokens or 0, "blocks": self.kv_cache.blocks_of(seq.seq_id),
                       "age_s": round(now - seq.arrival_time, 3)}
                      for state, group in (("running", running), ("waiting", waiting)) for seq in group]
+        ranks = {"size": 1} if self.tensor_parallel is None else self.tensor_parallel.describe()
         return {"running": len(running), "waiting": len(waiting), "kv": self.kv_cache.occupancy(),
+                "tensor_parallel": ranks,
                 **self.metrics.snapshot(speculative=self.proposer is not None), "sequences": sequences}
 
     def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, grammar: Grammar | None = None,

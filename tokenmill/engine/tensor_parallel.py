@@ -109,6 +109,13 @@ class TensorParallel:
         log.info("tensor parallelism: %d ranks on this host, %d threads each, all-reduce through %s", size,
                  rank_threads(config), "shared memory" if shm else "torch.distributed")
 
+    def describe(self) -> dict[str, object]:
+        """For the dashboard: the ranks, each one's process and whether it is up, and what carries the sums."""
+        ranks = [{"rank": 0, "pid": os.getpid(), "up": self.failure is None}]
+        ranks += [{"rank": r, "pid": w.pid, "up": w.is_alive()} for r, w in enumerate(self.workers, start=1)]
+        return {"size": self.config.tensor_parallel_size, "ranks": ranks,
+                "collectives": "shared memory" if self.spec.shm_path else "torch.distributed"}
+
     def wait_for(self, stage: str) -> None:
         """Every worker's report of `stage` (loaded, ready); a worker that reports an error or dies stops the start
         with its reason."""

@@ -49,7 +49,12 @@ function drawChart(svg, values, className) {
 }
 
 function show(stats) {
-  $("model").textContent = `${stats.model} · context ${stats.max_model_len} · up ${Math.round(stats.uptime_s)} s`;
+  const tp = stats.tensor_parallel;
+  const down = (tp.ranks || []).filter((r) => !r.up).map((r) => r.rank);
+  const ranks = tp.size > 1
+    ? ` · ${tp.size} tensor-parallel ranks (${down.length ? `rank ${down.join(", ")} down` : "all up"})`
+    : "";
+  $("model").textContent = `${stats.model} · context ${stats.max_model_len}${ranks} · up ${Math.round(stats.uptime_s)} s`;
   $("running").textContent = stats.running;
   $("running-sub").textContent = `of ${stats.max_num_seqs} at most`;
   $("waiting").textContent = stats.waiting;
