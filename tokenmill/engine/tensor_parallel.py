@@ -111,7 +111,7 @@ class TensorParallel:
 
     def describe(self) -> dict[str, object]:
         """For the dashboard: the ranks, each one's process and whether it is up, and what carries the sums."""
-        ranks = [{"rank": 0, "pid": os.getpid(), "up": self.failure is None}]
+        ranks: list[dict[str, object]] = [{"rank": 0, "pid": os.getpid(), "up": self.failure is None}]
         ranks += [{"rank": r, "pid": w.pid, "up": w.is_alive()} for r, w in enumerate(self.workers, start=1)]
         return {"size": self.config.tensor_parallel_size, "ranks": ranks,
                 "collectives": "shared memory" if self.spec.shm_path else "torch.distributed"}
