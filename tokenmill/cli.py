@@ -133,6 +133,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     # again, for those who build one in code).
     engine_config.check()
     server_config.check()
+    if engine_config.node_rank > 0:  # another host's tensor-parallel ranks: host 0 serves the API
+        from tokenmill.engine.tensor_parallel import run_node
+
+        return run_node(engine_config)
     listeners = listen(server_config.host, server_config.port)
     store = open_store(server_config)
     engine = Engine(engine_config)

@@ -80,7 +80,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "threads", "pooling"),
     "scheduling and KV memory": ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_queued_requests",
                                  "seed", "deterministic"),
-    "tensor parallelism": ("tensor_parallel_size",),
+    "tensor parallelism": ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"),
     "speculative decoding": ("speculative", "draft_model", "num_speculative_tokens", "prompt_lookup_min",
                              "prompt_lookup_max", "speculative_max_seqs"),
     "server": ("host", "port", "served_model_name", "log_level", "ui", "api_key", "allowed_origins",
@@ -167,6 +167,14 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "ranks on this host that each hold a share of every layer's heads and "
                                           "MLP rows, run each step together and sum their partial results (on CPU "
                                           "each rank takes --threads, by default the CPUs split among them)")
+    nnodes: int = option(1, "hosts the tensor-parallel ranks span, each running --tensor-parallel-size / --nnodes "
+                            "of them; the ranks of several hosts sum through torch.distributed's gloo")
+    node_rank: int = option(0, "this host's place among --nnodes: 0 serves the API and runs rank 0; the others run "
+                               "only their ranks (start them with the same model and flags)")
+    master_addr: str = option("127.0.0.1", "the address of host 0, where the ranks meet (torch.distributed's TCP "
+                                           "store); with --nnodes > 1, one the other hosts can reach")
+    master_port: int | None = option(None, "the port the ranks meet on at --master-addr (default: a free one, on "
+                                           "one host; needed with --nnodes > 1)")
     tp_shared_memory: bool = option(True, "tensor-parallel ranks on one CPU host all-reduce through shared memory "
                                           "(off: torch.distributed's gloo)")
     enforce_eager: bool = option(False, "on CUDA, run decode steps op by op instead of replaying CUDA graphs (one "
@@ -211,7 +219,7 @@ class EngineConfig:
         _check_choices(self)
         # A step of no tokens would never run anything (a server whose requests waited forever).
         _check_counts(self, ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "threads",
-                             "num_speculative_tokens", "tensor_parallel_size"))
+                             "num_speculative_tokens", "tensor_parallel_size", "nnodes"))
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"--prompt-lookup-min {self.prompt_lookup_min} --prompt-lookup-max "
                               f"{self.prompt_lookup_max}: n-grams of at least 1 token, min at most max")
@@ -222,6 +230,14 @@ class EngineConfig:
         if self.deterministic and self.kv != "paged":
             raise ConfigError("--deterministic needs --kv paged: its attention reads every row through the block "
                               "tables")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} does not divide among --nnodes "
+                              f"{self.nnodes} hosts")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank}: a host of --nnodes {self.nnodes} is 0 to "
+                              f"{self.nnodes - 1}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr): where the hosts' ranks meet")
         if self.tensor_parallel_size > 1 and self.kv != "paged":
             raise ConfigError("--tensor-parallel-size needs --kv paged: every rank's pool holds the same blocks")
         if self.kv_cache_memory:  # None or "": the default

@@ -4,6 +4,8 @@ the engine with an error for every request."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 import transformers
 from helpers import CHATML, generate, save_random_hf_model, save_two_layer_gemma3, submit
 
+from tokenmill.api.server import listen
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError
@@ -225,3 +228,23 @@ def test_embeddings_and_prompt_logprobs_on_two_ranks(tmp_path_factory: pytest.Te
     for a, b in zip(scores1, scores2, strict=True):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_ranks_on_two_hosts_meet_over_gloo(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--nnodes 2: host 1's `tokenmill serve --node-rank 1` runs rank 1 (here a second process on this host, meeting
+    over TCP as another host's would); its sums go through gloo. The same tokens as one rank; host 1's process
+    ends with 0 when rank 0 stops it."""
+    folder = llama_folder(tmp_path_factory.getbasetemp(), 4, 2)
+    tokens, _ = run(folder, 1)
+    sock = listen("127.0.0.1", 0)[0]
+    port = sock.getsockname()[1]
+    sock.close()
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
+             str(port), "--dtype", "float32", "--device", "cpu", "--threads", "1", "--max-model-len", "256"]
+    host1 = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", str(folder), *flags, "--node-rank", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert run(folder, 2, nnodes=2, node_rank=0, master_port=port)[0] == tokens
+        assert host1.wait(timeout=30) == 0, host1.stderr.read().decode() if host1.stderr else ""
+    finally:
+        host1.kill()

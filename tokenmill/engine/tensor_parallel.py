@@ -1,7 +1,8 @@
-"""Tensor parallelism on one host: rank 0 (the engine thread) keeps the API, scheduler, caches' bookkeeping, sampler
-and proposers, and sends each step's inputs to worker ranks, processes it spawns; every rank holds its shard of the
-weights (parallel/sharding.py) and its own KV pool of the same blocks, runs the step, and all-reduces its partial
-sums (parallel/collectives.py); rank 0 gathers the head's columns.
+"""Tensor parallelism: rank 0 (the engine thread) keeps the API, scheduler, caches' bookkeeping, sampler and
+proposers, and sends each step's inputs to the worker ranks, processes it spawns on its host (and that `tokenmill
+serve --node-rank K` spawns on host K, with --nnodes); every rank holds its shard of the weights
+(parallel/sharding.py) and its own KV pool of the same blocks, runs the step, and all-reduces its partial sums
+(parallel/collectives.py); rank 0 gathers the head's columns.
 
 A worker that dies makes rank 0's collectives fail at once (the monitor thread sets the group's abort code) and
 `failure` says which rank: the engine ends, and the server with it. A worker whose rank 0 is gone exits.
@@ -45,8 +46,35 @@ class RankFailure(RuntimeError):
 
 
 def rank_threads(config: EngineConfig) -> int:
-    """Each rank's threads: --threads, or the CPUs this process may use split among the ranks."""
-    return config.threads or max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
+    """Each rank's threads: --threads, or the CPUs this process may use split among its host's ranks."""
+    return config.threads or max(1, len(os.sched_getaffinity(0)) // local_ranks(config))
+
+
+def local_ranks(config: EngineConfig) -> int:
+    return config.tensor_parallel_size // config.nnodes
+
+
+def group_spec(config: EngineConfig, shm: bool) -> GroupSpec:
+    """Shared memory on one host (where asked and possible); torch.distributed between hosts."""
+    one_host = config.nnodes == 1
+    return new_spec(config.tensor_parallel_size, shm and one_host and config.tp_shared_memory, config.master_addr,
+                    config.master_port)
+
+
+def spawn_ranks(config: EngineConfig, spec: GroupSpec,
+                ranks: range) -> tuple[list[Connection], list[multiprocessing.process.BaseProcess]]:
+    ctx = multiprocessing.get_context("spawn")
+    conns: list[Connection] = []
+    workers: list[multiprocessing.process.BaseProcess] = []
+    for rank in ranks:
+        ours, theirs = ctx.Pipe()
+        worker = ctx.Process(target=run_worker, name=f"tokenmill-rank-{rank}", daemon=True,
+                             args=(config, spec, rank, theirs, logging.getLogger().level))
+        worker.start()
+        theirs.close()  # the child's end: once it exits, reading ours says so (EOFError)
+        conns.append(ours)
+        workers.append(worker)
+    return conns, workers
 
 
 def load_shard(config: EngineConfig, rank: int) -> LoadedModel:
@@ -87,18 +115,8 @@ class TensorParallel:
         self.config = config
         size = config.tensor_parallel_size
         device = backend.resolve_device(config.device)
-        shm = config.tp_shared_memory and device.type == "cpu" and backend.cpu_kernels(device)
-        self.spec = new_spec(size, shm)
-        ctx = multiprocessing.get_context("spawn")
-        self.conns: list[Connection] = []
-        self.workers: list[multiprocessing.process.BaseProcess] = []
-        for rank in range(1, size):
-            ours, theirs = ctx.Pipe()
-            worker = ctx.Process(target=run_worker, name=f"tokenmill-rank-{rank}", daemon=True,
-                                 args=(config, self.spec, rank, theirs, logging.getLogger().level))
-            worker.start()
-            self.conns.append(ours)
-            self.workers.append(worker)
+        self.spec = group_spec(config, device.type == "cpu" and backend.cpu_kernels(device))
+        self.conns, self.workers = spawn_ranks(config, self.spec, range(1, local_ranks(config)))
         self.failure: str | None = None
         self._closed = False
         try:
@@ -106,8 +124,9 @@ class TensorParallel:
         except BaseException:
             self._stop_workers()
             raise
-        log.info("tensor parallelism: %d ranks on this host, %d threads each, all-reduce through %s", size,
-                 rank_threads(config), "shared memory" if shm else "torch.distributed")
+        log.info("tensor parallelism: %d ranks, %d on this host, %d threads each, all-reduce through %s", size,
+                 local_ranks(config), rank_threads(config),
+                 "shared memory" if self.spec.shm_path else "torch.distributed")
 
     def describe(self) -> dict[str, object]:
         """For the dashboard: the ranks, each one's process and whether it is up, and what carries the sums."""
@@ -124,7 +143,11 @@ class TensorParallel:
             ready = multiprocessing.connection.wait([conn, worker.sentinel], timeout=deadline - time.monotonic())
             reason = f"no word in {START_TIMEOUT_S:.0f} s"
             if conn in ready:
-                got, detail = conn.recv()
+                try:
+                    got, detail = conn.recv()
+                except EOFError:  # it exited without a word
+                    worker.join(timeout=5)
+                    got, detail = None, f"the process exited (code {worker.exitcode})"
                 if got == stage:
                     continue
                 reason = detail
@@ -193,6 +216,29 @@ def start_rank0(config: EngineConfig) -> tuple[TensorParallel, LoadedModel]:
     return tp, loaded
 
 
+def run_node(config: EngineConfig) -> int:
+    """Host --node-rank K (K > 0): its ranks, until rank 0 stops them or is gone; 1 if one of them failed."""
+    size, per_host = config.tensor_parallel_size, local_ranks(config)
+    spec = group_spec(config, shm=False)
+    first = config.node_rank * per_host
+    conns, workers = spawn_ranks(config, spec, range(first, first + per_host))
+    log.info("host %d of %d: tensor-parallel ranks %d-%d of %d, meeting at %s", config.node_rank, config.nnodes,
+             first, first + per_host - 1, size, spec.init_method)
+    failed = False
+    for rank, (conn, worker) in enumerate(zip(conns, workers, strict=True), start=first):
+        while True:  # the rank's reports, until it exits (its end of the pipe closes)
+            try:
+                stage, detail = conn.recv()
+            except EOFError:
+                break
+            if stage == "error":
+                log.error("tensor-parallel rank %d failed to start: %s", rank, detail)
+                failed = True
+        worker.join()
+        failed |= worker.exitcode != 0
+    return 1 if failed else 0
+
+
 # --- a worker's process ---------------------------------------------------------------------------------------
 
 def run_worker(config: EngineConfig, spec: GroupSpec, rank: int, conn: Connection, log_level: int) -> None:
@@ -222,8 +268,9 @@ def run_worker(config: EngineConfig, spec: GroupSpec, rank: int, conn: Connectio
     widths = Shard(rank, spec.size).widths(loaded.config.vocab_size)
     try:
         serve(group, model, cache, widths, device, lambda: os.getppid() == parent)
-    except ConnectionError as exc:
-        log.error("%s: exiting", exc)
+    except Exception as exc:  # rank 0 gone (its host's process, or the connection to another host)
+        log.error("rank %d leaves the group: %s", rank, exc)
+        raise SystemExit(1) from exc
     finally:
         group.close()
 
