@@ -155,3 +155,30 @@ def test_shared_memory_collectives_sum_gather_and_send_across_processes(monkeypa
         assert got[rank]["torch.bfloat16"] == got[0]["torch.bfloat16"]
     assert got[0]["gather"] == [[0.0] * 3 + [1.0] * 4 + [2.0] * 5] * 2
     assert got[1]["gather"] is None and got[1]["sent"] and got[2]["sent"]
+
+
+def _fails_to_load(conn) -> None:
+    conn.send(("error", "ModelFormatError: rank 1's shard is broken"))
+
+
+def _dies(conn) -> None:
+    os._exit(3)
+
+
+@pytest.mark.parametrize(("target", "reason"), [
+    (_fails_to_load, "rank 1 failed to start: ModelFormatError: rank 1's shard is broken"),
+    (_dies, r"rank 1 failed to start: the process exited \(code 3\)"),
+])
+def test_a_rank_that_fails_to_start_stops_the_start_with_its_reason(target, reason: str) -> None:
+    from tokenmill.engine.tensor_parallel import TensorParallel
+
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    worker = ctx.Process(target=target, args=(theirs,))
+    worker.start()
+    theirs.close()
+    tp = object.__new__(TensorParallel)  # the start's bookkeeping only: no group to leave
+    tp.conns, tp.workers, tp._closed = [ours], [worker], True
+    with pytest.raises(ConfigError, match=reason):
+        tp.wait_for("loaded")
+    worker.join()

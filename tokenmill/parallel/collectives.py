@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tokenmill import kernels
+
 LINE = 64  # bytes a flag takes: a cache line each, so that ranks publishing at once do not share one
 SLOT_BYTES = 16 << 20  # each rank's slot of each buffer; a larger tensor moves in pieces
 # Ranks in one step meet within milliseconds (they do the same work): one that has not answered in this long hangs.
@@ -92,6 +94,8 @@ def _segment_bytes(size: int) -> int:
 
 class ShmGroup:
     def __init__(self, path: str, rank: int, size: int) -> None:
+        if not kernels.load():
+            raise RuntimeError("shared-memory collectives need tokenmill's C++ kernels, unavailable here")
         self.rank, self.size, self.path = rank, size, path
         segment = torch.from_file(path, shared=True, size=_segment_bytes(size), dtype=torch.uint8)
         flag_bytes = (1 + size) * LINE
