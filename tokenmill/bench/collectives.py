@@ -45,7 +45,7 @@ def measure(ranks: int, shm: bool, rows: list[int], hidden: int, repeat: int, dt
     procs = [ctx.Process(target=_rank, args=(spec, r, rows, hidden, repeat, dtype, results)) for r in range(ranks)]
     for p in procs:
         p.start()
-    per_rank = []
+    per_rank: list[dict[int, float]] = []
     while len(per_rank) < ranks:
         try:
             per_rank.append(results.get(timeout=1)[1])

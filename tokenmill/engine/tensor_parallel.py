@@ -77,9 +77,22 @@ def spawn_ranks(config: EngineConfig, spec: GroupSpec,
     return conns, workers
 
 
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The CPU, or on CUDA the host's GPU of this rank's place on its host (several ranks share a GPU where there are
+    fewer GPUs than ranks, and then sum through gloo: NCCL refuses two ranks of one GPU)."""
+    device = backend.resolve_device(config.device)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", rank % local_ranks(config) % torch.cuda.device_count())
+
+
+def shares_gpus(config: EngineConfig) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() < local_ranks(config)
+
+
 def load_shard(config: EngineConfig, rank: int) -> LoadedModel:
-    return load_model(config.model, config.weight_plan(), config.max_model_len,
-                      past_trained_context=config.allow_long_max_model_len,
+    plan = dataclasses.replace(config.weight_plan(), device=str(rank_device(config, rank)))
+    return load_model(config.model, plan, config.max_model_len, past_trained_context=config.allow_long_max_model_len,
                       shard=Shard(rank, config.tensor_parallel_size))
 
 
@@ -114,13 +127,13 @@ class TensorParallel:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         size = config.tensor_parallel_size
-        device = backend.resolve_device(config.device)
+        device = rank_device(config, 0)
         self.spec = group_spec(config, device.type == "cpu" and backend.cpu_kernels(device))
         self.conns, self.workers = spawn_ranks(config, self.spec, range(1, local_ranks(config)))
         self.failure: str | None = None
         self._closed = False
         try:
-            self.group = join(self.spec, 0, device)
+            self.group = join(self.spec, 0, device, shares_gpus(config))
         except BaseException:
             self._stop_workers()
             raise
@@ -248,8 +261,10 @@ def run_worker(config: EngineConfig, spec: GroupSpec, rank: int, conn: Connectio
     parent = os.getppid()
     try:
         torch.set_num_threads(rank_threads(config))
-        device = backend.resolve_device(config.device)
-        group = join(spec, rank, device)
+        device = rank_device(config, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's, and every kernel's, default device
+        group = join(spec, rank, device, shares_gpus(config))
         loaded = load_shard(config, rank)
         model = loaded.model
         assert isinstance(model, LlamaForCausalLM)

@@ -63,9 +63,10 @@ def new_spec(size: int, shm: bool, master_addr: str = "127.0.0.1", master_port: 
     return GroupSpec(size, f"tcp://{master_addr}:{port}", path)
 
 
-def join(spec: GroupSpec, rank: int, device: torch.device) -> Group:
-    """Join the group as `rank`: torch.distributed (the control plane, and the data plane without shm) first."""
-    backend = "nccl" if device.type == "cuda" and spec.shm_path is None else "gloo"
+def join(spec: GroupSpec, rank: int, device: torch.device, shared_gpus: bool = False) -> Group:
+    """Join the group as `rank`: torch.distributed (the control plane, and the data plane without shm) first; NCCL
+    between GPUs, unless ranks share them (shared_gpus), gloo otherwise."""
+    backend = "nccl" if device.type == "cuda" and spec.shm_path is None and not shared_gpus else "gloo"
     dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.size,
                             timeout=timedelta(minutes=5))
     if spec.shm_path is not None:
