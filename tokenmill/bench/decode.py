@@ -269,6 +269,9 @@ def main() -> None:
     parser.add_argument("--pdl", choices=["on", "off", "both"], default="on",
                         help="CUDA, sm_90 and newer: the Triton kernels launch with programmatic dependent launch "
                              "(off: --no-gpu-pdl; both: each, in its own process)")
+    parser.add_argument("--fused-decode", choices=["on", "off", "both"], default="on",
+                        help="CPU: decode steps run each layer as one C++ op (off: --no-fused-decode-layers; both: "
+                             "each, in its own process)")
     parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1],
                         help="ranks, each size in its own run; --threads is split among them")
     parser.add_argument("--bf16-kernels", choices=["on", "off", "both"], default="on",
@@ -278,23 +281,24 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads")
-    print(f"{'dtype':<10} {'tp':<3} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} {'streams':>7} "
+    print(f"{'dtype':<10} {'tp':<3} {'fused':<6} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} {'streams':>7} "
           f"{'median tok/s':>12} "
           f"{'min':>9} {'max':>9} {'weights GB/s':>12} {'step ms':>8} {'x 1 row':>7}")
     spawn = multiprocessing.get_context("spawn")
     timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads,
                     args.long)
     both = {"on": [True], "off": [False], "both": [False, True]}
-    runs = [(d, q, g, r, p, k, tp) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
+    runs = [(d, q, g, r, p, k, tp, f) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
             for r in both[args.row_matmul] for p in both[args.pdl] for k in both[args.bf16_kernels]
-            for tp in args.tensor_parallel_size]
-    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp in runs:
+            for tp in args.tensor_parallel_size for f in both[args.fused_decode]]
+    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused in runs:
         config = EngineConfig(model=args.model, dtype=dtype, device=args.device, quantized_weights=quantized,
                               max_num_seqs=max(args.streams), enforce_eager=not graphs, gpu_row_matmul=row,
                               gpu_pdl=pdl, bf16_kernels=bf16_kernels, tensor_parallel_size=tp,
+                              fused_decode_layers=fused,
                               threads=max(1, threads // tp) if tp > 1 else args.threads)
         result = _in_fresh_process(spawn, config, replace(timing, threads=None) if tp > 1 else timing)
-        mode = (f"{tp:<3} {'on' if result['quantized'] else 'off':<6} {'on' if result['bf16_kernels'] else 'off':<6} "
+        mode = (f"{tp:<3} {'on' if fused else 'off':<6} {'on' if result['quantized'] else 'off':<6} {'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
         one_row = 1 / statistics.median(result[1]) if 1 in args.streams else None

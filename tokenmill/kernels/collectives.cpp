@@ -8,9 +8,9 @@
 // needs. A rank writes buffer g % 2 again only at g + 2, after every rank published g + 1, that is after every rank
 // finished reading generation g: two buffers and one wait a collective are enough.
 
-#include <torch/extension.h>
-
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <sched.h>
 #include <time.h>
@@ -94,24 +94,32 @@ bool shm_exchange(const at::Tensor& flags, int64_t rank, int64_t world, int64_t 
   return wait_all(flags, world, generation, timeout_s);
 }
 
-// x (in place) = the sum of x over the ranks, through slots [2, world, slot bytes] of the shared segment.
-void shm_all_reduce(at::Tensor& x, const at::Tensor& slots, const at::Tensor& flags, int64_t rank, int64_t world,
-                    int64_t generation, double timeout_s) {
-  TORCH_CHECK(x.is_contiguous() && slots.is_contiguous() && slots.dim() == 3 && slots.size(1) == world,
-              "shm_all_reduce: contiguous x and slots [2, world, bytes]");
+// numel values of `type` at data (in place) = their sum over the ranks, through slots [2, world, slot bytes] of
+// the shared segment, as exchange `generation`; the fused decode layer (layer.cpp) calls it on its scratch rows.
+void all_reduce_values(void* data, at::ScalarType type, int64_t numel, const at::Tensor& slots,
+                       const at::Tensor& flags, int64_t rank, int64_t world, int64_t generation, double timeout_s) {
+  TORCH_CHECK(slots.is_contiguous() && slots.dim() == 3 && slots.size(1) == world,
+              "tensor-parallel all-reduce: slots [2, world, bytes]");
   const int64_t slot_bytes = slots.size(2);
-  const int64_t bytes = x.numel() * x.element_size();
-  TORCH_CHECK(bytes <= slot_bytes, "shm_all_reduce: ", bytes, " bytes, over a slot's ", slot_bytes);
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(type));
+  TORCH_CHECK(bytes <= slot_bytes, "tensor-parallel all-reduce: ", bytes, " bytes, over a slot's ", slot_bytes);
   uint8_t* buffer = slots.data_ptr<uint8_t>() + (generation % 2) * world * slot_bytes;
-  std::memcpy(buffer + rank * slot_bytes, x.data_ptr(), bytes);
+  std::memcpy(buffer + rank * slot_bytes, data, bytes);
   TORCH_CHECK(shm_exchange(flags, rank, world, generation, timeout_s), "tensor-parallel all-reduce: a rank did not "
               "answer in ", timeout_s, " s");
-  switch (x.scalar_type()) {
-    case at::kFloat: sum_slots(x.data_ptr<float>(), buffer, slot_bytes, world, x.numel()); break;
-    case at::kBFloat16: sum_slots(x.data_ptr<at::BFloat16>(), buffer, slot_bytes, world, x.numel()); break;
-    case at::kHalf: sum_slots(x.data_ptr<at::Half>(), buffer, slot_bytes, world, x.numel()); break;
-    default: TORCH_CHECK(false, "shm_all_reduce: fp32, bf16 or fp16, not ", x.scalar_type());
+  switch (type) {
+    case at::kFloat: sum_slots(static_cast<float*>(data), buffer, slot_bytes, world, numel); break;
+    case at::kBFloat16: sum_slots(static_cast<at::BFloat16*>(data), buffer, slot_bytes, world, numel); break;
+    case at::kHalf: sum_slots(static_cast<at::Half*>(data), buffer, slot_bytes, world, numel); break;
+    default: TORCH_CHECK(false, "tensor-parallel all-reduce: fp32, bf16 or fp16, not ", type);
   }
+}
+
+// x (in place) = the sum of x over the ranks.
+void shm_all_reduce(at::Tensor& x, const at::Tensor& slots, const at::Tensor& flags, int64_t rank, int64_t world,
+                    int64_t generation, double timeout_s) {
+  TORCH_CHECK(x.is_contiguous(), "shm_all_reduce: a contiguous x");
+  all_reduce_values(x.data_ptr(), x.scalar_type(), x.numel(), slots, flags, rank, world, generation, timeout_s);
 }
 
 }  // namespace tokenmill

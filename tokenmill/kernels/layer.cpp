@@ -61,13 +61,16 @@ void norm_in_place(float* rows, const float* weight, int64_t count, int64_t cols
 // "sandwich") (an empty shift, bias or norm: none). layouts: the four matrices' weights per scale, then their zero
 // points. window > 0: attention to the last `window` keys; gelu: the tanh GELU for SiLU. tiles_from_rows: steps of
 // this many rows or more multiply on AMX tiles (quant.cpp; 0: never). bf16_rows: a bf16 model's, whose bf16 weights
-// multiply its rows rounded to bf16 (quantized_matmul). Returns this layer's MLP output (normed, with an output
-// norm).
+// multiply its rows rounded to bf16 (quantized_matmul). tp_slots, tp_flags: a tensor-parallel rank's shared
+// segment (parallel/collectives.py), through which the o and down projections' partial sums are all-reduced, as
+// exchanges tp_generation + 1 and + 2. Returns this layer's MLP output (normed, with an output norm).
 at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights,
                         at::IntArrayRef layouts, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
                         const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale,
-                        int64_t tiles_from_rows, int64_t window, bool gelu, bool bf16_rows) {
+                        int64_t tiles_from_rows, int64_t window, bool gelu, bool bf16_rows,
+                        const std::optional<at::Tensor>& tp_slots, const std::optional<at::Tensor>& tp_flags,
+                        int64_t tp_rank, int64_t tp_world, int64_t tp_generation, double tp_timeout) {
   TORCH_CHECK(weights.size() == 19 && layouts.size() == 8, "19 weight tensors, 4 subs and 4 zero points");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t n = x.size(0), hidden = x.size(1);
@@ -142,12 +145,19 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
     case at::kHalf: run(at::Half{}); break;
     default: TORCH_CHECK(false, "the KV pool must be fp32, bf16 or fp16, not ", k_cache.scalar_type());
   }
+  const auto all_reduce = [&](float* values, int64_t exchange) {
+    if (tp_slots && tp_flags)
+      tokenmill::all_reduce_values(values, at::kFloat, n * hidden, *tp_slots, *tp_flags, tp_rank, tp_world,
+                                   tp_generation + exchange, tp_timeout);
+  };
   tokenmill::quantized_matmul(attn.data(), n, o_w, o.data(), tiles_from_rows, bf16_rows);
+  all_reduce(o.data(), 1);
   norm_in_place(o.data(), attn_out_norm, n, hidden, ep);
   tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, ep);
   tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data(), tiles_from_rows, bf16_rows);
   tokenmill::act_mul_rows(gate_up.data(), act.data(), n, inter, gelu);
   tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>(), tiles_from_rows, bf16_rows);
+  all_reduce(out.data_ptr<float>(), 2);
   norm_in_place(out.data_ptr<float>(), mlp_out_norm, n, hidden, ep);
   return out;
 }
@@ -158,7 +168,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layer(Tensor(a!) x, Tensor pending, Tensor[] weights, int[] layouts, Tensor cos, Tensor sin, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, "
         "int kv_heads, float eps, float scale, int tiles_from_rows=0, int window=0, bool gelu=False, "
-        "bool bf16_rows=False) -> Tensor");
+        "bool bf16_rows=False, Tensor? tp_slots=None, Tensor? tp_flags=None, int tp_rank=0, int tp_world=1, "
+        "int tp_generation=0, float tp_timeout=30.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -6,6 +6,6 @@
 #include "rope.cpp"
 #include "attention.cpp"
 #include "attention_prefill.cpp"  // after attention.cpp, whose decode kernel it falls back on
+#include "collectives.cpp"  // before layer.cpp, whose fused layer all-reduces across tensor-parallel ranks
 #include "layer.cpp"
 #include "tiles.cpp"
-#include "collectives.cpp"

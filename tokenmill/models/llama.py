@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TypeGuard, cast
+from typing import Protocol, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +189,14 @@ def fused_decode_weights(attn: Attention, mlp: nn.Module, norms: tuple[RMSNorm, 
     return weights, [m.weight.sub for m in matrices] + [m.weight.zero for m in matrices]
 
 
+class FusedAllReduce(Protocol):
+    """A tensor-parallel group whose all-reduces the fused decode layer runs itself (parallel/collectives.py's
+    ShmGroup): take_exchanges(count) gives its shared segment's slots and flags, this rank, the ranks, and the
+    generation after which the layer's `count` exchanges come, and counts them as done."""
+
+    def take_exchanges(self, count: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]: ...
+
+
 class LlamaModel(nn.Module):
     layer_class: type[nn.Module] = DecoderLayer
 
@@ -204,6 +212,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, config.rope_freq_factors)
         self.fused_decode: list[tuple[list[torch.Tensor], list[int]]] | None = None  # see fuse_decode_layers
         self.fused_decode_below: int | None = None  # decode steps of fewer rows run fused (None: all of them)
+        self.fused_all_reduce: FusedAllReduce | None = None  # a tensor-parallel rank's: the fused layer sums itself
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings, times the config's multiplier (Gemma, Granite) rounded to the compute dtype
@@ -253,10 +262,11 @@ class LlamaModel(nn.Module):
         for i, (layer, (weights, layouts), (cos, sin)) in enumerate(layers):
             attn = layer.self_attn
             pool, index = meta.of_layer(i)
+            tp = () if self.fused_all_reduce is None else self.fused_all_reduce.take_exchanges(2)
             pending = torch.ops.tokenmill.decode_layer(
                 x, pending, weights, layouts, cos, sin, pool.k_cache[index], pool.v_cache[index], pool.slot_mapping,
                 tables[pool is not meta], meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale,
-                tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu, bf16_rows)
+                tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu, bf16_rows, *tp)
         return pending
 
 

@@ -124,6 +124,13 @@ class ShmGroup:
         """rank's slot of the next exchange's buffer."""
         return self.slots[(self.generation + 1) % 2, rank]
 
+    def take_exchanges(self, count: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+        """For the fused decode layer, which runs `count` all-reduces itself (kernels/layer.cpp): the segment, this
+        rank, the ranks and the generation they follow."""
+        generation = self.generation
+        self.generation += count
+        return self.slots, self.flags, self.rank, self.size, generation
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (every rank adds in rank order: the same bits everywhere)."""
         flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM
-from tokenmill.parallel.collectives import Group
+from tokenmill.parallel.collectives import Group, ShmGroup
 
 
 class AllReduced(nn.Module):
@@ -21,11 +21,14 @@ class AllReduced(nn.Module):
 
 
 def all_reduce_partial_sums(model: LlamaForCausalLM, group: Group) -> None:
-    """Wrap each layer's o_proj and down_proj; the fused decode layer (one C++ op a layer, with no all-reduce in
-    it) no longer runs."""
+    """Wrap each layer's o_proj and down_proj. The fused decode layer (one C++ op a layer) all-reduces through the
+    group's shared memory itself; with another group's collectives it no longer runs."""
     for module in model.modules():
         if isinstance(module, Attention):
             module.o_proj = AllReduced(module.o_proj, group)  # type: ignore[assignment]
         elif isinstance(module, MLP):
             module.down_proj = AllReduced(module.down_proj, group)  # type: ignore[assignment]
-    model.model.fused_decode = None
+    if isinstance(group, ShmGroup):
+        model.model.fused_all_reduce = group
+    else:
+        model.model.fused_decode = None
