@@ -281,7 +281,8 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads")
-    print(f"{'dtype':<10} {'tp':<3} {'fused':<6} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} {'streams':>7} "
+    print(f"{'dtype':<10} {'tp':<3} {'fused':<6} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} "
+          f"{'streams':>7} "
           f"{'median tok/s':>12} "
           f"{'min':>9} {'max':>9} {'weights GB/s':>12} {'step ms':>8} {'x 1 row':>7}")
     spawn = multiprocessing.get_context("spawn")
@@ -298,7 +299,8 @@ def main() -> None:
                               fused_decode_layers=fused,
                               threads=max(1, threads // tp) if tp > 1 else args.threads)
         result = _in_fresh_process(spawn, config, replace(timing, threads=None) if tp > 1 else timing)
-        mode = (f"{tp:<3} {'on' if fused else 'off':<6} {'on' if result['quantized'] else 'off':<6} {'on' if result['bf16_kernels'] else 'off':<6} "
+        mode = (f"{tp:<3} {'on' if fused else 'off':<6} {'on' if result['quantized'] else 'off':<6} "
+                f"{'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
         one_row = 1 / statistics.median(result[1]) if 1 in args.streams else None
