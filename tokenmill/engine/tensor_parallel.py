@@ -165,6 +165,7 @@ class TensorParallel:
                     continue
                 reason = detail
             elif worker.sentinel in ready:
+                worker.join(timeout=5)  # its exit code is known once it is reaped
                 reason = f"the process exited (code {worker.exitcode})"
             self.close()
             raise ConfigError(f"tensor-parallel rank {rank} failed to start: {reason}")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tokenmill import kernels
+from tokenmill import backend
 
 LINE = 64  # bytes a flag takes: a cache line each, so that ranks publishing at once do not share one
 SLOT_BYTES = 16 << 20  # each rank's slot of each buffer; a larger tensor moves in pieces
@@ -95,7 +95,7 @@ def _segment_bytes(size: int) -> int:
 
 class ShmGroup:
     def __init__(self, path: str, rank: int, size: int) -> None:
-        if not kernels.load():
+        if not backend.cpu_kernels(torch.device("cpu")):
             raise RuntimeError("shared-memory collectives need tokenmill's C++ kernels, unavailable here")
         self.rank, self.size, self.path = rank, size, path
         segment = torch.from_file(path, shared=True, size=_segment_bytes(size), dtype=torch.uint8)
