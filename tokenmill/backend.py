@@ -33,6 +33,11 @@ def gpu_kernels(device: torch.device) -> bool:
     return gpu.serves(device)
 
 
+def gpu_count() -> int:
+    """The CUDA GPUs this process sees (0 without CUDA): tensor-parallel ranks of one host take one each."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def cpu_kernels(device: torch.device) -> bool:
     """device's ops run on tokenmill's C++ kernels: a CPU where they built (TOKENMILL_NO_KERNELS=1: never)."""
     return device.type == "cpu" and kernels.load()

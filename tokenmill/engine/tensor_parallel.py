@@ -83,11 +83,11 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     device = backend.resolve_device(config.device)
     if device.type != "cuda":
         return device
-    return torch.device("cuda", rank % local_ranks(config) % torch.cuda.device_count())
+    return torch.device("cuda", rank % local_ranks(config) % backend.gpu_count())
 
 
 def shares_gpus(config: EngineConfig) -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() < local_ranks(config)
+    return 0 < backend.gpu_count() < local_ranks(config)
 
 
 def load_shard(config: EngineConfig, rank: int) -> LoadedModel:
