@@ -4,6 +4,8 @@ the engine with an error for every request."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +22,7 @@ from tokenmill.api.server import listen
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError
+from tokenmill.parallel import collectives
 from tokenmill.sampling import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -267,3 +270,29 @@ def test_ranks_on_two_hosts_meet_over_gloo(tmp_path_factory: pytest.TempPathFact
         assert host1.wait(timeout=30) == 0, host1.stderr.read().decode() if host1.stderr else ""
     finally:
         host1.kill()
+
+
+def test_a_hung_rank_ends_the_engine_after_the_step_timeout(tmp_path_factory: pytest.TempPathFactory,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that stops answering (SIGSTOP) fails the step that waits for it, once rank 0 has waited the step's
+    timeout (1 s here; rank 0's own exchanges read it), and the engine ends."""
+    monkeypatch.setattr(collectives, "STEP_TIMEOUT_S", 1.0)
+    folder = llama_folder(tmp_path_factory.getbasetemp(), 4, 2)
+    engine = Engine(EngineConfig(model=str(folder), tensor_parallel_size=2, dtype="float32", device="cpu",
+                                 threads=1, max_model_len=256))
+    engine.start()
+    assert engine.tensor_parallel is not None
+    worker = engine.tensor_parallel.workers[0]
+    assert worker.pid is not None
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        [tokens] = generate(engine, [PROMPTS[0]], [GREEDY], timeout=30)  # its one output: the error
+        while engine.alive and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        assert tokens == [] and not engine.alive
+        assert time.monotonic() - started < 5  # the timeout, then the hung rank killed
+    finally:
+        if worker.is_alive():  # not killed: the test failed before
+            os.kill(worker.pid, signal.SIGCONT)
+        engine.stop()

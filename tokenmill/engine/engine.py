@@ -254,7 +254,6 @@ class Engine:
         except Exception as exc:
             if self.tensor_parallel is not None:  # the ranks are out of step now: no step can run again
                 self.tensor_parallel.check(exc)
-                raise RankFailure(f"a tensor-parallel step failed: {exc}") from exc
             # A failing step fails the sequence that raises, not the server nor its batch neighbours: a batch
             # that fails is rerun one sequence at a time to find it.
             log.error("engine step failed:\n%s", traceback.format_exc())

@@ -135,7 +135,7 @@ class TensorParallel:
         try:
             self.group = join(self.spec, 0, device, shares_gpus(config))
         except BaseException:
-            self._stop_workers()
+            self._stop_workers(graceful=False)
             raise
         log.info("tensor parallelism: %d ranks, %d on this host, %d threads each, all-reduce through %s", size,
                  local_ranks(config), rank_threads(config),
@@ -188,28 +188,35 @@ class TensorParallel:
         self.group.abort(rank)
 
     def check(self, exc: BaseException | None = None) -> None:
-        """Raise RankFailure where the group failed (exc: what a step raised, perhaps because of it)."""
-        if self.failure is not None or isinstance(exc, TimeoutError):
-            raise RankFailure(self.failure or str(exc)) from exc
+        """Raise RankFailure where the group failed; exc: what a step raised, which fails it (the ranks may be out
+        of step: a rank gone or hung, or a step that stopped between two of its collectives)."""
+        if exc is not None and self.failure is None:
+            self.failure = f"a tensor-parallel step failed: {exc}"
+        if self.failure is not None:
+            raise RankFailure(self.failure) from exc
 
     def close(self) -> None:
         """Stop the workers (told to, then made to) and leave the group."""
         if self._closed:
             return
         self._closed = True
-        if self.failure is None and all(w.is_alive() for w in self.workers):
+        graceful = self.failure is None and all(w.is_alive() for w in self.workers)
+        if graceful:
             try:
                 self.group.send(("stop",))
             except Exception:  # a rank gone meanwhile: the processes are ended below
                 log.debug("tensor-parallel stop not delivered", exc_info=True)
-        self._stop_workers()
+                graceful = False
+        self._stop_workers(graceful)
         self.group.close()
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, graceful: bool = True) -> None:
+        """Wait for the workers to leave (graceful: they were told to), else end them (a hung one, SIGKILL)."""
         for worker in self.workers:
-            worker.join(timeout=5)
+            worker.join(timeout=5 if graceful else 0)
             if worker.is_alive():
-                worker.terminate()
+                worker.kill()
+                worker.join(timeout=5)
         if self.spec.shm_path and os.path.exists(self.spec.shm_path):
             os.unlink(self.spec.shm_path)
 

@@ -169,7 +169,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, "
         "int kv_heads, float eps, float scale, int tiles_from_rows=0, int window=0, bool gelu=False, "
         "bool bf16_rows=False, Tensor? tp_slots=None, Tensor? tp_flags=None, int tp_rank=0, int tp_world=1, "
-        "int tp_generation=0, float tp_timeout=30.0) -> Tensor");
+        "int tp_generation=0, float tp_timeout=10.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -191,10 +191,11 @@ def fused_decode_weights(attn: Attention, mlp: nn.Module, norms: tuple[RMSNorm, 
 
 class FusedAllReduce(Protocol):
     """A tensor-parallel group whose all-reduces the fused decode layer runs itself (parallel/collectives.py's
-    ShmGroup): take_exchanges(count) gives its shared segment's slots and flags, this rank, the ranks, and the
-    generation after which the layer's `count` exchanges come, and counts them as done."""
+    ShmGroup): take_exchanges(count) gives its shared segment's slots and flags, this rank, the ranks, the
+    generation after which the layer's `count` exchanges come and the seconds a rank may keep the others waiting,
+    and counts the exchanges as done."""
 
-    def take_exchanges(self, count: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]: ...
+    def take_exchanges(self, count: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, float]: ...
 
 
 class LlamaModel(nn.Module):

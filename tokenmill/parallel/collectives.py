@@ -27,8 +27,9 @@ from tokenmill import backend
 
 LINE = 64  # bytes a flag takes: a cache line each, so that ranks publishing at once do not share one
 SLOT_BYTES = 16 << 20  # each rank's slot of each buffer; a larger tensor moves in pieces
-# Ranks in one step meet within milliseconds (they do the same work): one that has not answered in this long hangs.
-STEP_TIMEOUT_S = 30.0
+# Ranks in one step meet within milliseconds (they do the same work; rank 0's own between steps, the others wait out
+# with no limit): one that has not answered in this long hangs.
+STEP_TIMEOUT_S = 10.0
 
 
 class Group(Protocol):
@@ -124,12 +125,12 @@ class ShmGroup:
         """rank's slot of the next exchange's buffer."""
         return self.slots[(self.generation + 1) % 2, rank]
 
-    def take_exchanges(self, count: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    def take_exchanges(self, count: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, float]:
         """For the fused decode layer, which runs `count` all-reduces itself (kernels/layer.cpp): the segment, this
-        rank, the ranks and the generation they follow."""
+        rank, the ranks, the generation they follow, and how long a rank may keep the others waiting."""
         generation = self.generation
         self.generation += count
-        return self.slots, self.flags, self.rank, self.size, generation
+        return self.slots, self.flags, self.rank, self.size, generation, STEP_TIMEOUT_S
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (every rank adds in rank order: the same bits everywhere)."""
