@@ -138,6 +138,7 @@ def test_shared_memory_collectives_sum_gather_and_send_across_processes(monkeypa
     size = 3
     spec = new_spec(size, shm=True)
     assert spec.shm_path is not None
+    assert os.stat(spec.shm_path).st_mode & 0o777 == 0o600  # no other user reads the requests' activations
     ctx = multiprocessing.get_context("fork")  # the patched slot size reaches the ranks
     results = ctx.Queue()
     ranks = [ctx.Process(target=_rank, args=(spec.shm_path, r, size, results)) for r in range(size)]

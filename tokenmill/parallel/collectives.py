@@ -59,8 +59,12 @@ def new_spec(size: int, shm: bool, master_addr: str = "127.0.0.1", master_port: 
     path = None
     if shm:
         path = f"/dev/shm/tokenmill-tp-{os.getpid()}-{secrets.token_hex(4)}"
-        with open(path, "wb") as segment:
-            segment.truncate(_segment_bytes(size))
+        # This user's alone: the segment carries requests' hidden states and logits
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, _segment_bytes(size))
+        finally:
+            os.close(fd)
     return GroupSpec(size, f"tcp://{master_addr}:{port}", path)
 
 
