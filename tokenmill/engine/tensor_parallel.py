@@ -170,11 +170,14 @@ class TensorParallel:
             self.close()
             raise ConfigError(f"tensor-parallel rank {rank} failed to start: {reason}")
 
-    def started(self) -> None:
-        """The group is up: its shared segment can go from the file system (every rank has it mapped), and a
-        thread watches the workers from now on."""
-        if self.spec.shm_path:
+    def unlink_segment(self) -> None:
+        """Every rank has the shared segment mapped (they join before they load): its name can go, so that nothing
+        is left in /dev/shm however the processes end."""
+        if self.spec.shm_path and os.path.exists(self.spec.shm_path):
             os.unlink(self.spec.shm_path)
+
+    def started(self) -> None:
+        """The group is up: a thread watches the workers from now on."""
         threading.Thread(target=self._watch, name="tokenmill-tp-monitor", daemon=True).start()
 
     def _watch(self) -> None:
@@ -217,8 +220,7 @@ class TensorParallel:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
-        if self.spec.shm_path and os.path.exists(self.spec.shm_path):
-            os.unlink(self.spec.shm_path)
+        self.unlink_segment()
 
 
 def start_rank0(config: EngineConfig) -> tuple[TensorParallel, LoadedModel]:
@@ -230,6 +232,7 @@ def start_rank0(config: EngineConfig) -> tuple[TensorParallel, LoadedModel]:
         loaded = load_shard(config, 0)
         all_reduce_partial_sums(loaded.model, tp.group)  # type: ignore[arg-type]
         tp.wait_for("loaded")
+        tp.unlink_segment()
     except BaseException:
         tp.close()
         raise
