@@ -46,12 +46,18 @@ def llama_folder(root: Path, heads: int, kv_heads: int, tied: bool = False) -> P
     return folder
 
 
-def run(model: Path | str, size: int, dtype: str = "float32", prompts: list[list[int]] = PROMPTS,
-        **config) -> tuple[list[list[int]], dict[int, list[torch.Tensor]]]:
-    """Each prompt's greedy tokens, and the logits each of its steps sampled from."""
+def started(model: Path | str, size: int, dtype: str = "float32", **config) -> Engine:
+    """An engine of `size` ranks of one thread each, started."""
     engine = Engine(EngineConfig(model=str(model), tensor_parallel_size=size, dtype=dtype, device="cpu", threads=1,
                                  max_model_len=256, **config))
     engine.start()
+    return engine
+
+
+def run(model: Path | str, size: int, dtype: str = "float32", prompts: list[list[int]] = PROMPTS,
+        **config) -> tuple[list[list[int]], dict[int, list[torch.Tensor]]]:
+    """Each prompt's greedy tokens, and the logits each of its steps sampled from."""
+    engine = started(model, size, dtype, **config)
     logits: dict[int, list[torch.Tensor]] = {}
     step = engine.runner.run
 
@@ -105,8 +111,7 @@ def test_quantized_weights_on_two_ranks_decode_through_the_fused_layer(tmp_path:
     """A GGUF kept quantized: decode steps run each layer as one C++ op on every rank, the op all-reducing its
     partial sums through the shared segment itself."""
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype=GGMLQuantizationType.Q4_1, hidden=256)
-    engine = Engine(EngineConfig(model=str(path), tensor_parallel_size=2, dtype="float32", device="cpu", threads=1))
-    engine.start()
+    engine = started(path, 2)
     try:
         model = engine.runner.model.model.model  # type: ignore[attr-defined]
         assert model.fused_decode is not None and model.fused_all_reduce is not None
@@ -180,9 +185,7 @@ def test_a_model_the_ranks_cannot_split_is_refused(tmp_path_factory: pytest.Temp
 
 def test_a_dead_rank_ends_the_engine_and_its_requests(tmp_path_factory: pytest.TempPathFactory) -> None:
     folder = llama_folder(tmp_path_factory.getbasetemp(), 4, 2)
-    engine = Engine(EngineConfig(model=str(folder), tensor_parallel_size=2, dtype="float32", device="cpu",
-                                 threads=1, max_model_len=256))
-    engine.start()
+    engine = started(folder, 2)
     assert engine.tensor_parallel is not None
     worker = engine.tensor_parallel.workers[0]
 
@@ -225,9 +228,7 @@ def test_embeddings_and_prompt_logprobs_on_two_ranks(tmp_path_factory: pytest.Te
     folder = llama_folder(tmp_path_factory.getbasetemp(), 4, 2)
 
     def answers(size: int) -> tuple[list[list[float]], list]:
-        engine = Engine(EngineConfig(model=str(folder), tensor_parallel_size=size, dtype="float32", device="cpu",
-                                     threads=1, max_model_len=256, pooling="mean"))
-        engine.start()
+        engine = started(folder, size, pooling="mean")
         try:
             outs: dict[int, list] = {}
             done = threading.Event()
@@ -278,20 +279,18 @@ def test_a_hung_rank_ends_the_engine_after_the_step_timeout(tmp_path_factory: py
     timeout (1 s here; rank 0's own exchanges read it), and the engine ends."""
     monkeypatch.setattr(collectives, "STEP_TIMEOUT_S", 1.0)
     folder = llama_folder(tmp_path_factory.getbasetemp(), 4, 2)
-    engine = Engine(EngineConfig(model=str(folder), tensor_parallel_size=2, dtype="float32", device="cpu",
-                                 threads=1, max_model_len=256))
-    engine.start()
+    engine = started(folder, 2)
     assert engine.tensor_parallel is not None
     worker = engine.tensor_parallel.workers[0]
     assert worker.pid is not None
     os.kill(worker.pid, signal.SIGSTOP)
     try:
-        started = time.monotonic()
+        began = time.monotonic()
         [tokens] = generate(engine, [PROMPTS[0]], [GREEDY], timeout=30)  # its one output: the error
-        while engine.alive and time.monotonic() - started < 10:
+        while engine.alive and time.monotonic() - began < 10:
             time.sleep(0.05)
         assert tokens == [] and not engine.alive
-        assert time.monotonic() - started < 5  # the timeout, then the hung rank killed
+        assert time.monotonic() - began < 5  # the timeout, then the hung rank killed
     finally:
         if worker.is_alive():  # not killed: the test failed before
             os.kill(worker.pid, signal.SIGCONT)

@@ -19,7 +19,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.spec import NgramProposer, Proposer, SuffixCacheProposer
-from tokenmill.engine.tensor_parallel import TensorParallel, start_rank0
+from tokenmill.engine.tensor_parallel import TensorParallel, kv_spec, start_rank0
 from tokenmill.errors import ConfigError
 from tokenmill.kernels import gpu
 from tokenmill.loader import LoadedModel, load_model
@@ -73,8 +73,7 @@ def _build(config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None)
     tokenizer = loaded.tokenizer
     tokenizer.token_bytes(0)  # its table is built here, not on the first request that asks for logprobs
     mc = loaded.config
-    spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, mc.sliding_layers, mc.sliding_window)
-    kv_cache = build_kv_cache(config, spec, loaded.device, loaded.max_model_len,
+    kv_cache = build_kv_cache(config, kv_spec(loaded), loaded.device, loaded.max_model_len,
                               int if tp is None else agree_min)
     if tp is not None:
         tp.wait_for("ready")

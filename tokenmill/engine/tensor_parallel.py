@@ -97,6 +97,7 @@ def load_shard(config: EngineConfig, rank: int) -> LoadedModel:
 
 
 def kv_spec(loaded: LoadedModel) -> KVSpec:
+    """What one token's KV is made of, for the model as loaded (a rank's: its KV heads)."""
     mc = loaded.config
     return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, mc.sliding_layers, mc.sliding_window)
 
@@ -154,18 +155,17 @@ class TensorParallel:
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (conn, worker) in enumerate(zip(self.conns, self.workers, strict=True), start=1):
             ready = multiprocessing.connection.wait([conn, worker.sentinel], timeout=deadline - time.monotonic())
-            reason = f"no word in {START_TIMEOUT_S:.0f} s"
+            reason = None if ready else f"no word in {START_TIMEOUT_S:.0f} s"
             if conn in ready:
                 try:
                     got, detail = conn.recv()
+                    if got == stage:
+                        continue
+                    reason = detail
                 except EOFError:  # it exited without a word
-                    worker.join(timeout=5)
-                    got, detail = None, f"the process exited (code {worker.exitcode})"
-                if got == stage:
-                    continue
-                reason = detail
-            elif worker.sentinel in ready:
-                worker.join(timeout=5)  # its exit code is known once it is reaped
+                    pass
+            if reason is None:  # it exited: its exit code is known once it is reaped
+                worker.join(timeout=5)
                 reason = f"the process exited (code {worker.exitcode})"
             self.close()
             raise ConfigError(f"tensor-parallel rank {rank} failed to start: {reason}")
