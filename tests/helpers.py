@@ -427,10 +427,19 @@ def openai_client(server: ServerThread, timeout: float = 120) -> openai.OpenAI:
 
 
 def read_metrics(root_url: str) -> dict[str, float]:
-    """The server's tokenmill:* samples from /metrics, by name."""
-    text = httpx.get(root_url + "/metrics").text
-    samples = (line.split(" ") for line in text.splitlines() if line.startswith("tokenmill:"))
-    return {name: float(value) for name, value, *_ in samples}
+    """The server's tokenmill:* samples from /metrics    (the model_name label aside: summed over the models), by name and their other labels as Prometheus writes
+    them (`name{position="0"}`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(root_url + "/metrics").text):
+        for sample in family.samples:
+            if not sample.name.startswith("tokenmill:"):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items() if k != "model_name")
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            found[key] = found.get(key, 0.0) + sample.value
+    return found
 
 
 class ServerProcess:

@@ -66,8 +66,9 @@ def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    serve.add_argument("model", nargs="?", default=EngineConfig.model,
-                       help="a .gguf file, a Hugging Face folder, a hub id or an alias (default: %(default)s)")
+    serve.add_argument("model", nargs="*", default=[],
+                       help="the models to serve, each a .gguf file, a Hugging Face folder, a hub id or an alias "
+                            f"(default: {EngineConfig.model}, or those of --models-file)")
     _add_dataclass_flags(serve, EngineConfig, skip={"model"})
     _add_dataclass_flags(serve, ServerConfig)
     chat = sub.add_parser("chat", help="chat in the terminal, with MODEL in this process or a server at --url")
@@ -118,11 +119,14 @@ def with_env_api_keys(config: ServerConfig) -> ServerConfig:
     return dataclasses.replace(config, api_key=keys)
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Serve until SIGTERM (exit code 0) or until the engine dies (1)."""
+def serve(engine_config: EngineConfig, server_config: ServerConfig, models: list[str] | None = None) -> int:
+    """Serve until SIGTERM (exit code 0) or until an engine dies (1). models: the MODEL arguments (none: the
+    models file's, or engine_config.model)."""
     from tokenmill.api.response_store import open_store
     from tokenmill.api.server import build_server, listen
-    from tokenmill.engine.engine import Engine
+    from tokenmill.config import parse_size
+    from tokenmill.hosting.pool import ModelPool
+    from tokenmill.hosting.specs import specs_from_args
 
     log = logging.getLogger(__name__)
     server_config = with_env_api_keys(server_config)
@@ -137,15 +141,15 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         from tokenmill.engine.tensor_parallel import run_node
 
         return run_node(engine_config)
+    specs = specs_from_args(models or [], engine_config, server_config)
     listeners = listen(server_config.host, server_config.port)
     store = open_store(server_config)
-    engine = Engine(engine_config)
-    engine.start()  # loads the model on the engine thread
-    model_id = server_config.served_model_name or engine_config.model
-    path = engine.model_path
-    server = build_server(engine, server_config, model_id, {engine_config.model, str(path), path.name}, store,
-                          graceful_timeout=5)
-    log.info("serving %s on http://%s:%d/v1", model_id, server_config.host, listeners[0].getsockname()[1])
+    budget = parse_size(server_config.max_memory) if server_config.max_memory else None
+    pool = ModelPool(specs, budget, server_config.model_load_timeout)
+    pool.preload()  # the models that fit, in order, each on its engine thread
+    server = build_server(pool, server_config, store=store, graceful_timeout=5)
+    log.info("serving %s on http://%s:%d/v1", ", ".join(s.name for s in specs), server_config.host,
+             listeners[0].getsockname()[1])
     server.run(sockets=listeners)
     return server.exit_code
 
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
 
             print(pull(args.alias))
         elif args.command == "serve":
-            sys.exit(serve(_pick(EngineConfig, args), _pick(ServerConfig, args)))
+            models, args.model = args.model, (args.model or [EngineConfig.model])[0]
+            sys.exit(serve(_pick(EngineConfig, args), _pick(ServerConfig, args), models))
         elif args.command == "chat":
             from tokenmill.chat import main as chat_main
 

@@ -6,6 +6,8 @@ model (its context, its kernels) is refused where that is known."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +30,32 @@ def parse_size(text: str) -> int:
         return int(TypeAdapter(ByteSize).validate_python(text))
     except ValidationError as exc:
         raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB, 1.5GB)") from exc
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value: object, what: str = "keep_alive") -> float | None:
+    """Ollama's keep_alive: seconds as a number, or a duration ("5m", "1h30m", "500ms"); a negative one: forever
+    (None); 0: unload as soon as idle."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{what}: a duration such as 5m, 30s or 1h, seconds, or -1 for forever")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise ConfigError(f"{what} {value!r}: a duration such as 5m, 30s or 1h, seconds, or -1 for "
+                                  "forever") from None
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    else:
+        seconds = float(value)
+    if seconds != seconds:  # NaN
+        raise ConfigError(f"{what}: not a number")
+    return None if seconds < 0 else seconds
 
 
 def _flag(name: str) -> str:
@@ -77,7 +105,9 @@ class WeightPlan:
 # `--help` shows the flags in these groups, in this order; the A/B switches and kernel tuning last (each exists to
 # measure an optimization by turning it off, or to tune a kernel's threshold).
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "threads", "pooling"),
+    "model": ("model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "threads", "pooling",
+              "chat_template"),
+    "several models": ("models_file", "max_memory", "keep_alive", "model_load_timeout"),
     "scheduling and KV memory": ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_queued_requests",
                                  "seed", "deterministic"),
     "tensor parallelism": ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"),
@@ -129,6 +159,7 @@ class EngineConfig:
     max_queued_requests: int = option(256, "sequences that may wait for a slot; beyond, requests get 429 with "
                                            "Retry-After")
     seed: int = option(0, "seed of the sampler for requests that give none")
+    chat_template: str | None = option(None, "a Jinja chat template file to use instead of the model's own")
     pooling: str = option("last", "/v1/embeddings: the prompt's final hidden states pooled as last (the last "
                                   "token's, for decoder embedding models such as Qwen3-Embedding) or mean; "
                                   "L2-normalized", ("last", "mean"))
@@ -223,6 +254,8 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"--prompt-lookup-min {self.prompt_lookup_min} --prompt-lookup-max "
                               f"{self.prompt_lookup_max}: n-grams of at least 1 token, min at most max")
+        if self.chat_template and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"--chat-template {self.chat_template}: no such file")
         if self.draft_model is not None and self.speculative != "draft":
             raise ConfigError("--draft-model is read with --speculative draft only")
         if self.speculative == "draft" and self.draft_model is None:
@@ -252,6 +285,16 @@ class ServerConfig:
     host: str = option("127.0.0.1", "address to bind; 127.0.0.1 keeps the server local")
     port: int = option(8000, "TCP port")
     served_model_name: str | None = option(None, "the model id /v1/models lists (default: the MODEL argument)")
+    models_file: str | None = option(None, "a TOML file of the models to serve, a [[models]] table each: source, "
+                                           "name, aliases, keep_alive, tool_call_parser and any engine setting "
+                                           "(docs/features/many-models.md); the flags are every model's defaults")
+    max_memory: str | None = option(None, "memory the loaded models may take together, e.g. 12GiB; a load that "
+                                          "would pass it first unloads the least recently used idle models "
+                                          "(default: what the machine has)")
+    keep_alive: str = option("-1", "how long a model stays loaded once idle, e.g. 5m, 30s, 1h, 0 (at once); -1: "
+                                   "until its memory is needed (a request's own keep_alive field overrides it)")
+    model_load_timeout: float = option(300.0, "seconds a request waits for its model to load (or for memory to "
+                                              "free) before a 503 with Retry-After")
     log_level: str = option("info", "how much the server logs", LOG_LEVELS)
     ui: bool = option(True, "the chat page at / and the engine dashboard at /dashboard (--no-ui: neither)")
     api_key: tuple[str, ...] = option((), "accept only requests that carry one of these keys as a Bearer token (every "
@@ -286,3 +329,8 @@ class ServerConfig:
         _check_choices(self)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: a TCP port is 0 to 65535")
+        if self.max_memory:
+            parse_size(self.max_memory)
+        parse_keep_alive(self.keep_alive, "--keep-alive")
+        if not self.model_load_timeout > 0:
+            raise ConfigError(f"--model-load-timeout {self.model_load_timeout}: more than 0 seconds")

@@ -45,3 +45,12 @@ class EngineUnavailableError(TokenmillError):
 
 class EngineError(TokenmillError):
     """The engine failed a request (the model raised while running it); the server keeps serving."""
+
+
+class ModelUnavailableError(EngineUnavailableError):
+    """The model a request names is not loaded yet (loading, or waiting for memory): it may be served in
+    `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

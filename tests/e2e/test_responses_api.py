@@ -106,7 +106,7 @@ def test_a_response_the_store_cannot_keep_is_answered_as_not_stored(smollm_serve
     config = ServerConfig(responses_store=str(tmp_path / "responses.sqlite3"))
     with ServerThread(smollm_served, MODEL, config, max_num_seqs=4) as server:
         client = openai_client(server)
-        store = server.server.config.app.state.serving.responses
+        store = server.server.config.app.state.hosting.responses
         with store._lock:
             store._db.execute("PRAGMA query_only = ON")
         ask = {"model": MODEL, "input": "Name a fruit.", "max_output_tokens": 4, "temperature": 0}

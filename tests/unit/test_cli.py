@@ -19,7 +19,7 @@ def test_flags_fill_the_configs() -> None:
     args = build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b", "m.gguf", "--no-prefix-caching",
                                       "--max-queued-requests", "5", "--shutdown-timeout", "1.5"])
     server, engine = _pick(ServerConfig, args), _pick(EngineConfig, args)
-    assert args.model == "m.gguf"  # a key flag takes one value: the model after it is not swallowed
+    assert args.model == ["m.gguf"]  # a key flag takes one value: the model after it is not swallowed
     assert server.api_key == ("a", "b") and server.shutdown_timeout == 1.5 and server.allowed_origins == ()
     assert engine.max_queued_requests == 5 and engine.prefix_caching is False
     assert _pick(ServerConfig, build_parser().parse_args(["serve"])).api_key == ()

@@ -13,37 +13,38 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from tokenmill.api.endpoints import chat, completions, embeddings, models, responses, status
-from tokenmill.api.engine_client import EngineClient
 from tokenmill.api.errors import install_error_handlers
 from tokenmill.api.guards import OPEN_ROUTES, RequestGuard, ServingState
 from tokenmill.api.response_store import ResponseStore, open_store
-from tokenmill.api.serving import Serving
+from tokenmill.api.serving import Hosting
 from tokenmill.api.ui import ui_routes
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
+from tokenmill.hosting.pool import ModelPool
 
 
-def create_app(engine: Engine, model_id: str, aliases: set[str] | None = None, config: ServerConfig | None = None,
-               state: ServingState | None = None, store: ResponseStore | None = None) -> FastAPI:
-    """`state` is shared with the server, which sets it draining on SIGTERM; `store`: the Responses store the CLI
-    opened before the model loaded (None: the one the config names, opened here)."""
+def create_app(hosted: Engine | ModelPool, model_id: str | None = None, aliases: set[str] | None = None,
+               config: ServerConfig | None = None, state: ServingState | None = None,
+               store: ResponseStore | None = None) -> FastAPI:
+    """hosted: the models, or one engine served as model_id (and its aliases); `state` is shared with the
+    server, which sets it draining on SIGTERM; `store`: the Responses store the CLI opened before the model loaded
+    (None: the one the config names, opened here)."""
     config = config or ServerConfig()
     config.check()
+    pool = hosted if isinstance(hosted, ModelPool) else ModelPool.of_engine(hosted, model_id or "", aliases or set())
     state = state or ServingState()
     store = store if store is not None else open_store(config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if not engine.alive:
-            engine.start()
+        await pool.start()
         yield
-        engine.stop()
+        await pool.stop()
         if store is not None:
             store.close()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
-    app.state.serving = Serving(engine, EngineClient(engine), model_id, {model_id, *(aliases or set())}, config,
-                                state, store)
+    app.state.hosting = Hosting(pool, config, state, store)
     pages, page_paths = ui_routes() if config.ui else (None, set())
     app.add_middleware(RequestGuard, state=state, api_keys=config.api_key, max_body_bytes=config.max_request_bytes,
                        max_json_depth=config.max_json_depth, open_routes=frozenset(OPEN_ROUTES | page_paths))

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.errors import (
     EngineError,
     EngineUnavailableError,
+    ModelUnavailableError,
     NotFoundError,
     RequestError,
     ServerBusyError,
@@ -53,6 +54,9 @@ def http_status(exc: TokenmillError) -> int:
 
 def domain_error_response(exc: TokenmillError) -> JSONResponse:
     status, type_, headers = _http(exc)
+    if isinstance(exc, ModelUnavailableError):
+        return error_response(status, str(exc), type_, code="model_not_loaded",
+                              headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, RequestError):
         return error_response(status, exc.message, type_, exc.param, exc.code, headers)
     if isinstance(exc, ServerBusyError):

@@ -241,6 +241,8 @@ class SamplingFields(RequestModel):
     server's configurable limits are checked in _sampling_params, what needs the vocabulary at admission."""
 
     model: str
+    keep_alive: str | float | None = Field(default=None, description="Ollama's: how long the model stays loaded "
+                                           "once idle after this request (5m, 30s, 0, -1 for forever)")
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1)
@@ -418,6 +420,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class EmbeddingRequest(RequestModel):
     model: str
+    keep_alive: str | float | None = Field(default=None, description="Ollama's: how long the model stays loaded "
+                                           "once idle after this request (5m, 30s, 0, -1 for forever)")
     input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)  # only the model's own: no truncation of its vectors

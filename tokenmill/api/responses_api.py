@@ -51,6 +51,8 @@ class ResponseStreamOptions(RequestModel):
 
 class ResponsesRequest(RequestModel):
     model: str
+    keep_alive: str | float | None = Field(default=None, description="Ollama's: how long the model stays loaded "
+                                           "once idle after this request (5m, 30s, 0, -1 for forever)")
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)

@@ -18,6 +18,7 @@ from tokenmill.api.response_store import ResponseStore
 from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError
+from tokenmill.hosting.pool import ModelPool
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ class TokenmillServer(uvicorn.Server):
     `exit_code` is 0. A second signal aborts them at once (their streams still end properly), a third stops without
     waiting for that. If the engine thread dies, the server stops with exit_code 1 rather than answer 503 forever."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, state: ServingState, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, pool: ModelPool, state: ServingState, shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.pool = pool
         self.state = state
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
@@ -92,14 +93,14 @@ class TokenmillServer(uvicorn.Server):
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.shutdown_timeout
         log.info("shutting down: %d requests and %d sequences in flight get %.0fs to finish", self.state.in_flight,
-                 self.engine.num_unfinished, self.shutdown_timeout)
+                 self.pool.num_unfinished, self.shutdown_timeout)
         while self._in_flight() and time.monotonic() < deadline and not self._aborting:
             await asyncio.sleep(0.05)
         await self._abort()
 
     def _in_flight(self) -> bool:
         """Whether a request let in or a sequence of the engine's has not finished yet."""
-        return bool(self.state.in_flight or self.engine.num_unfinished)
+        return bool(self.state.in_flight or self.pool.num_unfinished)
 
     async def _abort(self) -> None:
         """Abort what is still in flight (a request still arriving or rendering then gets 503 from the closed
@@ -107,10 +108,10 @@ class TokenmillServer(uvicorn.Server):
         if self._aborting:
             return
         self._aborting = True
-        self.engine.close()
-        if self.engine.num_unfinished:
-            log.warning("aborting %d unfinished sequences", self.engine.num_unfinished)
-            self.engine.abort_all()
+        self.pool.close()
+        if self.pool.num_unfinished:
+            log.warning("aborting %d unfinished sequences", self.pool.num_unfinished)
+            self.pool.abort_all()
         for _ in range(100):  # their last chunks (and the late requests' 503s) go out before the connections close
             if not self._in_flight():
                 break
@@ -119,8 +120,8 @@ class TokenmillServer(uvicorn.Server):
 
     async def _watch_engine(self) -> None:
         while not self.should_exit:
-            if not self.engine.alive:
-                log.error("the engine loop has died; stopping the server")
+            if dead := self.pool.dead():
+                log.error("the engine loop of %s has died; stopping the server", ", ".join(dead))
                 self.state.draining = True
                 self.exit_code = 1
                 self.should_exit = True
@@ -128,14 +129,16 @@ class TokenmillServer(uvicorn.Server):
             await asyncio.sleep(0.2)
 
 
-def build_server(engine: Engine, config: ServerConfig, model_id: str, aliases: set[str] | None = None,
-                 store: ResponseStore | None = None, graceful_timeout: int | None = None) -> TokenmillServer:
+def build_server(models: Engine | ModelPool, config: ServerConfig, model_id: str | None = None,
+                 aliases: set[str] | None = None, store: ResponseStore | None = None,
+                 graceful_timeout: int | None = None) -> TokenmillServer:
     """The one way a server is made, by `tokenmill serve`, `tokenmill chat` and the tests alike: the app over the
-    engine (api/app.py) in uvicorn, with tokenmill's shutdown. Run it with the sockets of listen(); store: the
-    Responses store the caller opened (None: the one config names); graceful_timeout: uvicorn's own bound on
-    closing connections once the requests are done."""
+    models (api/app.py; one engine is served as model_id) in uvicorn, with tokenmill's shutdown. Run it with the
+    sockets of listen(); store: the Responses store the caller opened (None: the one config names);
+    graceful_timeout: uvicorn's own bound on closing connections once the requests are done."""
     state = ServingState()
-    app = create_app(engine, model_id, aliases, config, state, store)
+    pool = models if isinstance(models, ModelPool) else ModelPool.of_engine(models, model_id or "", aliases or set())
+    app = create_app(pool, config=config, state=state, store=store)
     return TokenmillServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                           timeout_graceful_shutdown=graceful_timeout),
-                           engine, state, config.shutdown_timeout)
+                           pool, state, config.shutdown_timeout)

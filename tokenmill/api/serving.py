@@ -5,9 +5,10 @@ as server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -15,38 +16,64 @@ from fastapi.responses import StreamingResponse
 from tokenmill.api.answer import Reply, StreamUsage
 from tokenmill.api.engine_client import EngineClient, RequestStream, collect
 from tokenmill.api.guards import ServingState
-from tokenmill.api.protocol import SamplingFields
+from tokenmill.api.protocol import RequestModel, SamplingFields
 from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.sse import sse_done, sse_event
-from tokenmill.config import ServerConfig
+from tokenmill.config import ServerConfig, parse_keep_alive
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
-from tokenmill.errors import ModelNotFoundError, RequestError
+from tokenmill.errors import ConfigError, RequestError
+from tokenmill.hosting.pool import UNSET, ModelPool
 from tokenmill.structured import StructuredSpec
 from tokenmill.structured.backend import CompiledGrammar
 
 
 @dataclass
-class Serving:
-    """What the routes read from app.state.serving (api/app.py puts it there)."""
+class Hosting:
+    """What the routes read from app.state.hosting (api/app.py puts it there): the models and the server's own."""
 
-    engine: Engine
-    client: EngineClient
-    model_id: str  # what /v1/models lists
-    accepted_names: set[str]  # model_id and its aliases: what requests may name
+    pool: ModelPool
     config: ServerConfig
     state: ServingState
     responses: ResponseStore | None  # stored Responses (None: --responses-store off)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def serving_of(request: Request) -> Serving:
-    return request.app.state.serving
+@dataclass
+class Serving:
+    """What a request for one model is served with: its engine, and the server's settings with the model's own."""
+
+    engine: Engine
+    client: EngineClient
+    model_id: str  # what /v1/models lists
+    config: ServerConfig
+    state: ServingState
+    responses: ResponseStore | None
 
 
-def check_model(serving: Serving, name: str) -> None:
-    if name not in serving.accepted_names:
-        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+def hosting_of(request: Request) -> Hosting:
+    return request.app.state.hosting
+
+
+@contextlib.asynccontextmanager
+async def serving_for(request: Request, body: RequestModel) -> AsyncIterator[Serving]:
+    """The model the body names, loaded (a request may wait for that), kept from unloading until the handler has
+    submitted its sequences (they keep it from then on); 404 for a model this server does not have."""
+    hosting = hosting_of(request)
+    name: str = body.model  # type: ignore[attr-defined]
+    keep_alive: object = UNSET
+    if (asked := getattr(body, "keep_alive", None)) is not None:
+        try:
+            keep_alive = parse_keep_alive(asked)
+        except ConfigError as exc:
+            raise RequestError(str(exc), param="keep_alive") from None
+    async with hosting.pool.lease(name, keep_alive) as hosted:
+        assert hosted.engine is not None
+        config = hosting.config
+        if hosted.spec.tool_call_parser is not None:
+            config = replace(config, tool_call_parser=hosted.spec.tool_call_parser)
+        yield Serving(hosted.engine, EngineClient(hosted.engine), hosted.name, config, hosting.state,
+                      hosting.responses)
 
 
 async def compile_grammar(serving: Serving, found: tuple[StructuredSpec, str] | None) -> CompiledGrammar | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from tokenmill.engine.tensor_parallel import TensorParallel, kv_spec, start_rank
 from tokenmill.errors import ConfigError
 from tokenmill.kernels import gpu
 from tokenmill.loader import LoadedModel, load_model
+from tokenmill.loader.chat_template import ChatTemplate
 from tokenmill.models.config import attention_crossover
 from tokenmill.parallel.collectives import agree_min
 from tokenmill.structured.backend import GrammarCompiler
@@ -71,6 +73,9 @@ def _build(config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None)
         raise ConfigError(f"deterministic={config.deterministic} but the model was loaded with "
                           f"deterministic={loaded.deterministic}")
     tokenizer = loaded.tokenizer
+    if config.chat_template:
+        loaded.chat_template = ChatTemplate(Path(config.chat_template).read_text(encoding="utf-8"),
+                                            tokenizer.bos_token, tokenizer.eos_token)
     tokenizer.token_bytes(0)  # its table is built here, not on the first request that asks for logprobs
     mc = loaded.config
     kv_cache = build_kv_cache(config, kv_spec(loaded), loaded.device, loaded.max_model_len,

@@ -41,7 +41,7 @@ class LoadedModel:
     deterministic: bool = False  # built batch-invariant (models/registry.py)
 
 
-def _return_freed_memory() -> None:
+def release_freed_memory() -> None:
     """glibc keeps the pages of the loader's freed temporaries (conversions, interleaving) in its heap, resident:
     ~90 MiB on a 1B model. malloc_trim hands them back; elsewhere (musl, macOS) nothing is done."""
     name = ctypes.util.find_library("c")
@@ -124,7 +124,7 @@ def load_model(model: str, plan: WeightPlan = DEFAULT_PLAN, max_model_len: int |
         weights, config = shard_weights(weights, config, shard), shard_config(config, shard)
     net = build_model(config, weights, plan, torch_dtype, dev, served_len)
     del weights
-    _return_freed_memory()
+    release_freed_memory()
     quantized_bytes, dense_bytes = weight_bytes(net)
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs; context %d; weights %.0f MiB in the "
              "kernels' layouts + %.0f MiB dense", path.name, config.architecture, config.num_layers, torch_dtype, dev,

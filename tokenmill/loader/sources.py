@@ -109,3 +109,14 @@ def resolve(model: str) -> Path:
         except Exception as exc:
             raise ModelFormatError(f"could not fetch {model!r} from the hub: {exc}") from exc
     raise ModelFormatError(f"model {model!r} is not a file, a folder, an alias ({', '.join(ALIASES)}) or a hub id")
+
+
+def missing_source(model: str) -> str | None:
+    """Why MODEL cannot be loaded, said before loading it (a models file's mistake at start), or None: a path that
+    does not exist (a .gguf name, or one that starts like a path), or nothing a source can be."""
+    path = Path(model).expanduser()
+    if path.exists() or model in ALIASES:
+        return None
+    if model.startswith((".", "/", "~")) or model.endswith(".gguf") or "/" not in model:
+        return f"{model}: no such file or folder" + ("" if "/" in model else f", nor an alias ({', '.join(ALIASES)})")
+    return None  # a hub id, fetched at load

@@ -29,11 +29,10 @@ from tokenmill.api.logprobs import chat_logprobs, shown_tokens
 from tokenmill.api.protocol import ChatCompletionRequest
 from tokenmill.api.serving import (
     Serving,
-    check_model,
     collect_unless_disconnected,
     compile_grammar,
     reply_of,
-    serving_of,
+    serving_for,
     sse_response,
     usage_options,
 )
@@ -93,8 +92,11 @@ async def submit_chat(serving: Serving, body: ChatCompletionRequest
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    serving = serving_of(request)
-    check_model(serving, body.model)
+    async with serving_for(request, body) as serving:
+        return await _chat(serving, body, request)
+
+
+async def _chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Any:
     streams, prompt_tokens, tool_parser = await submit_chat(serving, body)
     reply = reply_of(serving, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:

@@ -26,11 +26,11 @@ from tokenmill.api.engine_client import merge
 from tokenmill.api.logprobs import TextOffsets, completion_logprobs
 from tokenmill.api.protocol import CompletionRequest
 from tokenmill.api.serving import (
-    check_model,
+    Serving,
     collect_unless_disconnected,
     compile_grammar,
     reply_of,
-    serving_of,
+    serving_for,
     sse_response,
     usage_options,
 )
@@ -42,8 +42,11 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
-    serving = serving_of(request)
-    check_model(serving, body.model)
+    async with serving_for(request, body) as serving:
+        return await _complete(serving, body, request)
+
+
+async def _complete(serving: Serving, body: CompletionRequest, request: Request) -> Any:
     params = body.sampling_params(serving.config)
     if body.echo and body.logprobs is not None:  # the prompt's tokens get entries too (lm-eval's loglikelihood)
         params = replace(params, prompt_logprobs=body.logprobs)

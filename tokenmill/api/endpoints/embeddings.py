@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tokenmill.api.protocol import EmbeddingRequest
-from tokenmill.api.serving import check_model, collect_unless_disconnected, serving_of
+from tokenmill.api.serving import Serving, collect_unless_disconnected, serving_for
 from tokenmill.errors import RequestError
 from tokenmill.sampling import SamplingParams
 
@@ -23,8 +23,11 @@ router = APIRouter()
 async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
     """Each input's prompt runs through the engine like any prefill, batched with what else runs; its final hidden
     states, pooled (--pooling) and L2-normalized, are the embedding."""
-    serving = serving_of(request)
-    check_model(serving, body.model)
+    async with serving_for(request, body) as serving:
+        return await _embed(serving, body, request)
+
+
+async def _embed(serving: Serving, body: EmbeddingRequest, request: Request) -> Any:
     engine = serving.engine
     inputs = body.inputs()
     if len(inputs) > serving.config.max_embedding_inputs:

@@ -1,4 +1,4 @@
-"""/v1/models: the model served, by its id or an alias."""
+"""/v1/models: every model the server hosts, by its id or an alias, and whether it is loaded now."""
 
 from __future__ import annotations
 
@@ -6,24 +6,28 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tokenmill.api.serving import Serving, check_model, serving_of
+from tokenmill.api.serving import Hosting, hosting_of
+from tokenmill.hosting.pool import HostedModel
 
 router = APIRouter()
 
 
-def _model_card(serving: Serving) -> dict[str, Any]:
-    return {"id": serving.model_id, "object": "model", "created": serving.created, "owned_by": "tokenmill",
-            "max_model_len": serving.engine.max_model_len, "deterministic": serving.engine.config.deterministic}
+def _model_card(hosting: Hosting, hosted: HostedModel) -> dict[str, Any]:
+    engine, settings = hosted.engine, hosted.spec.engine
+    return {"id": hosted.name, "object": "model", "created": hosting.created, "owned_by": "tokenmill",
+            "root": settings.model, "parent": None,
+            "max_model_len": engine.max_model_len if engine is not None else settings.max_model_len,
+            "deterministic": settings.deterministic, "status": hosted.describe()}
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_card(serving_of(request))]}
+    hosting = hosting_of(request)
+    return {"object": "list", "data": [_model_card(hosting, hosted) for hosted in hosting.pool.models]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> dict:
     """The model by its id or an alias (ids may hold slashes, like Hugging Face names)."""
-    serving = serving_of(request)
-    check_model(serving, model_id)
-    return _model_card(serving)
+    hosting = hosting_of(request)
+    return _model_card(hosting, hosting.pool.find(model_id))

@@ -21,7 +21,7 @@ from tokenmill.api.responses_api import (
     response_events,
     response_object,
 )
-from tokenmill.api.serving import Serving, check_model, collect_unless_disconnected, serving_of, sse_response
+from tokenmill.api.serving import Hosting, Serving, collect_unless_disconnected, hosting_of, serving_for, sse_response
 from tokenmill.errors import NotFoundError, RequestError
 
 router = APIRouter()
@@ -35,8 +35,11 @@ _RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_t
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
-    serving = serving_of(request)
-    check_model(serving, body.model)
+    async with serving_for(request, body) as serving:
+        return await _respond(serving, body, request)
+
+
+async def _respond(serving: Serving, body: ResponsesRequest, request: Request) -> Any:
     store = serving.responses
     if store is None and body.previous_response_id is not None:
         raise RequestError("this server stores no responses (--responses-store off)", param="previous_response_id")
@@ -77,16 +80,16 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     return response
 
 
-def _stored(serving: Serving, response_id: str) -> ResponseStore:
-    if serving.responses is None:
+def _stored(hosting: Hosting, response_id: str) -> ResponseStore:
+    if hosting.responses is None:
         raise NotFoundError(f"Response with id '{response_id}' not found (this server stores no responses).",
                             param="response_id")
-    return serving.responses
+    return hosting.responses
 
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-    found = await asyncio.to_thread(_stored(serving_of(request), response_id).get, response_id)
+    found = await asyncio.to_thread(_stored(hosting_of(request), response_id).get, response_id)
     if found is None:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     return found
@@ -101,7 +104,7 @@ async def list_input_items(response_id: str, request: Request, after: str | None
     OpenAI pages lists: `limit` items after the one named `after`, newest first unless `order` is asc. (The openai
     SDK sends a list as include[]=....)"""
     refuse_include(include or include_)
-    turns = await asyncio.to_thread(_stored(serving_of(request), response_id).input_items, response_id)
+    turns = await asyncio.to_thread(_stored(hosting_of(request), response_id).input_items, response_id)
     if turns is None:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     # rows stored before input items were kept listed get their ids here, the same ones each time
@@ -121,6 +124,6 @@ async def list_input_items(response_id: str, request: Request, after: str | None
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    if not await asyncio.to_thread(_stored(serving_of(request), response_id).delete, response_id):
+    if not await asyncio.to_thread(_stored(hosting_of(request), response_id).delete, response_id):
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     return {"id": response_id, "object": "response", "deleted": True}
