@@ -33,6 +33,7 @@ from tokenmill.bench.noise import prefill_logits as our_logits  # noqa: F401 - t
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import SequenceOutput
+from tokenmill.hosting.pool import ModelPool
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling import SamplingParams
 
@@ -382,19 +383,25 @@ def start_engine(loaded: LoadedModel, **config) -> Engine:
 class ServerThread:
     """The server tokenmill serve runs, on a free loopback port, in a thread of this process."""
 
-    def __init__(self, loaded: LoadedModel, model_id: str, server_config: ServerConfig | None = None,
+    def __init__(self, loaded: LoadedModel | ModelPool, model_id: str = "", server_config: ServerConfig | None = None,
                  **engine_config) -> None:
+        """loaded: one model served as model_id, or the models of a pool (preloaded as `serve` does)."""
         # Listening from here on, on a port the kernel picked: no other test (or worker) can take it meanwhile
         self.sockets = listen("127.0.0.1", 0)
         self.port = self.sockets[0].getsockname()[1]
-        self.engine = Engine(EngineConfig(**engine_config), loaded)
+        if isinstance(loaded, ModelPool):
+            self.pool = loaded
+            self.pool.preload()
+        else:
+            self.engine = Engine(EngineConfig(**engine_config), loaded)
+            self.pool = ModelPool.of_engine(self.engine, model_id)
         config = server_config or ServerConfig()
         # Not the user's cache: a store of this server's own, in a folder removed with this object (or at exit)
         self.store_dir = tempfile.TemporaryDirectory(prefix="tokenmill-test-")
         if config.responses_store is None:
             config = replace(config, responses_store=str(Path(self.store_dir.name) / "responses.sqlite3"))
-        self.server = build_server(self.engine, replace(config, host="127.0.0.1", port=self.port,
-                                                        log_level="warning"), model_id)
+        self.server = build_server(self.pool, replace(config, host="127.0.0.1", port=self.port,
+                                                      log_level="warning"))
         self.state = self.server.state
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": self.sockets}, daemon=True)
 
@@ -427,8 +434,8 @@ def openai_client(server: ServerThread, timeout: float = 120) -> openai.OpenAI:
 
 
 def read_metrics(root_url: str) -> dict[str, float]:
-    """The server's tokenmill:* samples from /metrics    (the model_name label aside: summed over the models), by name and their other labels as Prometheus writes
-    them (`name{position="0"}`)."""
+    """The server's tokenmill:* samples from /metrics (the model_name label aside: summed over the models), by name
+    and their other labels as Prometheus writes them (`name{position="0"}`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     found: dict[str, float] = {}

@@ -46,11 +46,13 @@ def parse_keep_alive(value: object, what: str = "keep_alive") -> float | None:
         try:
             seconds = float(text)
         except ValueError:
+            sign = -1.0 if text.startswith("-") else 1.0
+            text = text.removeprefix("-")
             parts = _DURATION.findall(text)
             if not parts or "".join(n + u for n, u in parts) != text:
                 raise ConfigError(f"{what} {value!r}: a duration such as 5m, 30s or 1h, seconds, or -1 for "
                                   "forever") from None
-            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+            seconds = sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
     else:
         seconds = float(value)
     if seconds != seconds:  # NaN

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
 from tokenmill.config import ServerConfig
 from tokenmill.errors import RequestError
@@ -26,6 +26,15 @@ INT32_MAX = 2**31 - 1
 TokenIds = list[StrictInt]
 
 _EFFECT = "x-tokenmill-effect"  # in a field's JSON schema (so /docs shows it): "none" or "refused"
+
+
+# Ollama's extension: how long the model stays loaded once idle after this request (a duration, seconds, -1)
+KeepAlive = StrictStr | StrictInt | StrictFloat | None
+
+
+def keep_alive_field() -> Any:
+    return Field(default=None, description="Ollama's: how long the model stays loaded once idle after this request "
+                                           "(5m, 30s, 0, -1 for forever)")
 
 
 def no_effect(default: Any = None, *, why: str, **kwargs: Any) -> Any:
@@ -241,8 +250,7 @@ class SamplingFields(RequestModel):
     server's configurable limits are checked in _sampling_params, what needs the vocabulary at admission."""
 
     model: str
-    keep_alive: str | float | None = Field(default=None, description="Ollama's: how long the model stays loaded "
-                                           "once idle after this request (5m, 30s, 0, -1 for forever)")
+    keep_alive: KeepAlive = keep_alive_field()
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1)
@@ -420,8 +428,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class EmbeddingRequest(RequestModel):
     model: str
-    keep_alive: str | float | None = Field(default=None, description="Ollama's: how long the model stays loaded "
-                                           "once idle after this request (5m, 30s, 0, -1 for forever)")
+    keep_alive: KeepAlive = keep_alive_field()
     input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)  # only the model's own: no truncation of its vectors

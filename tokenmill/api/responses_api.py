@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 
 from tokenmill.api.errors import validation_fault
-from tokenmill.api.protocol import ChatCompletionRequest, RequestModel, no_effect, refused
+from tokenmill.api.protocol import ChatCompletionRequest, KeepAlive, RequestModel, keep_alive_field, no_effect, refused
 from tokenmill.api.tools.parsers import ToolCall, ToolCallDelta, ToolParser, parse_tool_calls
 from tokenmill.engine.request import SequenceOutput
 from tokenmill.errors import RequestError
@@ -51,8 +51,7 @@ class ResponseStreamOptions(RequestModel):
 
 class ResponsesRequest(RequestModel):
     model: str
-    keep_alive: str | float | None = Field(default=None, description="Ollama's: how long the model stays loaded "
-                                           "once idle after this request (5m, 30s, 0, -1 for forever)")
+    keep_alive: KeepAlive = keep_alive_field()
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)

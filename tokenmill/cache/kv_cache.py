@@ -131,6 +131,10 @@ class PagedKVCache:
         return self.pool.num_blocks * self.block_size
 
     @property
+    def memory_bytes(self) -> int:
+        return sum(pool.k.nbytes + pool.v.nbytes for pool in self.pools)
+
+    @property
     def num_sequences(self) -> int:
         return len(self.tables)
 
@@ -223,6 +227,11 @@ class ContiguousKVCache:
     @property
     def num_sequences(self) -> int:
         return len(self.buffers)
+
+    @property
+    def memory_bytes(self) -> int:
+        """The most its buffers take: its whole capacity reserved."""
+        return self.capacity_tokens * self.spec.bytes_per_token
 
     def usage(self) -> float:
         return self._reserved / self.capacity_tokens

@@ -26,7 +26,7 @@ from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogp
 from tokenmill.engine.sampler import seeded_generator
 from tokenmill.engine.spec import Proposer, Speculation
 from tokenmill.engine.tensor_parallel import RankFailure
-from tokenmill.loader import LoadedModel
+from tokenmill.loader import LoadedModel, weight_bytes
 from tokenmill.sampling import SamplingParams
 from tokenmill.structured.backend import Grammar
 
@@ -95,6 +95,11 @@ class Engine:
         assert self.loaded is not None, "the engine has not loaded its model"
         mode = "-deterministic" if self.config.deterministic else ""
         return f"tokenmill-{__version__}-{str(self.loaded.dtype).removeprefix('torch.')}{mode}"
+
+    def memory_bytes(self) -> int:
+        """What its model's weights and its KV memory take (read once started): a hosted model's footprint."""
+        assert self.loaded is not None, "the engine has not loaded its model"
+        return sum(weight_bytes(self.loaded.model)) + self.kv_cache.memory_bytes
 
     @property
     def alive(self) -> bool:

@@ -83,7 +83,7 @@ class HostedModel:
     leases: int = 0  # requests that named it and have not yet handed their sequences to the engine
     last_used: float = 0.0  # monotonic: when it was last seen busy
     keep_alive: float | None = None  # seconds it stays loaded once idle (None: until memory is needed)
-    footprint: int = 0  # resident bytes it took when it last loaded
+    footprint: int = 0  # what its weights and KV memory took when it last loaded
     load_s: float | None = None
     unload_s: float | None = None
     loads: int = 0
@@ -162,6 +162,7 @@ class ModelPool:
             assert hosted.engine is not None
             if not hosted.engine.alive:
                 await asyncio.to_thread(hosted.engine.start)
+            hosted.footprint = hosted.footprint or hosted.engine.memory_bytes()
         self._reaper = asyncio.ensure_future(self._reap())
 
     async def stop(self) -> None:
@@ -265,11 +266,12 @@ class ModelPool:
             release_freed_memory()
             raise
         hosted.load_s = round(time.perf_counter() - started, 2)
-        hosted.footprint = max(resident_bytes() - before, estimate_bytes(hosted.spec.engine) // 2)
+        hosted.footprint = engine.memory_bytes()
         hosted.engine, hosted.state, hosted.loads = engine, "loaded", hosted.loads + 1
         hosted.last_used = time.monotonic()
-        log.info("loaded %s in %.1f s: %.0f MiB resident (the models hold %.0f of %.0f MiB)", hosted.name,
-                 hosted.load_s, hosted.footprint / 2**20, self.used_bytes() / 2**20, self.max_memory / 2**20)
+        log.info("loaded %s in %.1f s: weights and KV %.0f MiB, resident %.0f -> %.0f MiB (the models hold %.0f of "
+                 "%.0f MiB)", hosted.name, hosted.load_s, hosted.footprint / 2**20, before / 2**20,
+                 resident_bytes() / 2**20, self.used_bytes() / 2**20, self.max_memory / 2**20)
 
     async def _make_room(self, hosted: HostedModel) -> None:
         """Unload the least recently used idle models until `hosted` fits the budget; wait for busy ones to go

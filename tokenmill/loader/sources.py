@@ -118,5 +118,6 @@ def missing_source(model: str) -> str | None:
     if path.exists() or model in ALIASES:
         return None
     if model.startswith((".", "/", "~")) or model.endswith(".gguf") or "/" not in model:
-        return f"{model}: no such file or folder" + ("" if "/" in model else f", nor an alias ({', '.join(ALIASES)})")
+        alias = "/" not in model and not model.endswith(".gguf")  # a bare word: meant as an alias, maybe
+        return f"{model}: no such file or folder" + (f", nor an alias ({', '.join(ALIASES)})" if alias else "")
     return None  # a hub id, fetched at load
