@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import write_tiny_gguf
+
 from tokenmill.cli import main
 from tokenmill.config import EngineConfig, ServerConfig, parse_keep_alive
 from tokenmill.errors import ConfigError
