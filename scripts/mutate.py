@@ -34,6 +34,8 @@ TARGETS = {
     "scheduler": Target("tokenmill/engine/scheduler.py", ("tests/unit/test_scheduler.py",
                                                           "tests/unit/test_structured.py")),
     "sharding": Target("tokenmill/parallel/sharding.py", ("tests/unit/test_parallel.py",)),
+    "models_file": Target("tokenmill/hosting/specs.py", ("tests/unit/test_models_file.py",)),
+    "pool": Target("tokenmill/hosting/pool.py", ("tests/e2e/test_many_models.py",)),
     "block_pool": Target("tokenmill/cache/block_pool.py", ("tests/unit/test_block_pool.py",)),
     "prefix_cache": Target("tokenmill/cache/prefix_cache.py", ("tests/unit/test_prefix_cache.py",)),
     "sampler": Target("tokenmill/engine/sampler.py", ("tests/unit/test_sampler.py", "tests/unit/test_structured.py")),

@@ -25,7 +25,7 @@ from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogprob
 from tokenmill.engine.sampler import seeded_generator
 from tokenmill.engine.spec import Proposer, Speculation
-from tokenmill.engine.tensor_parallel import RankFailure
+from tokenmill.engine.tensor_parallel import RankFailure, ShardedModel
 from tokenmill.loader import LoadedModel, weight_bytes
 from tokenmill.sampling import SamplingParams
 from tokenmill.structured.backend import Grammar
@@ -97,9 +97,13 @@ class Engine:
         return f"tokenmill-{__version__}-{str(self.loaded.dtype).removeprefix('torch.')}{mode}"
 
     def memory_bytes(self) -> int:
-        """What its model's weights and its KV memory take (read once started): a hosted model's footprint."""
+        """What its model's weights and its KV memory take on this host (read once started): a hosted model's
+        footprint. Tensor-parallel ranks hold a share each, rank 0's as much as any."""
         assert self.loaded is not None, "the engine has not loaded its model"
-        return sum(weight_bytes(self.loaded.model)) + self.kv_cache.memory_bytes
+        model = self.loaded.model
+        local = sum(weight_bytes(model.model if isinstance(model, ShardedModel) else model))
+        ranks = self.config.tensor_parallel_size // self.config.nnodes
+        return (local + self.kv_cache.memory_bytes) * ranks
 
     @property
     def alive(self) -> bool:

@@ -48,13 +48,37 @@ function drawChart(svg, values, className) {
   svg.replaceChildren(axis, line, label, ago, now);
 }
 
+let shownModel = null; // the model whose engine the tiles show (null: the server's first loaded one)
+
+function showModels(stats) {
+  // Several models: each one's state, memory and loads; a click on one shows its engine.
+  $("models-table").hidden = stats.models.length < 2;
+  const mib = (bytes) => (bytes === null ? "–" : (bytes / 2 ** 20).toFixed(0));
+  $("models").replaceChildren(...stats.models.map((m) => {
+    const row = el("tr", m.id === stats.model ? "shown" : "");
+    for (const cell of [m.id, m.state, mib(m.memory_bytes), m.loads, m.load_seconds ?? "–", m.idle_seconds ?? "–"]) {
+      row.append(el("td", "", String(cell)));
+    }
+    row.addEventListener("click", () => { shownModel = m.id; poll(); });
+    return row;
+  }));
+  const memory = stats.memory;
+  return ` · models hold ${mib(memory.used_bytes)} of ${mib(memory.budget_bytes)} MiB`;
+}
+
 function show(stats) {
+  const memory = showModels(stats);
+  if (stats.running === undefined) { // the model shown is not loaded: its engine has nothing to show
+    $("model").textContent = `${stats.model} (not loaded)${memory}`;
+    return;
+  }
   const tp = stats.tensor_parallel;
   const down = (tp.ranks || []).filter((r) => !r.up).map((r) => r.rank);
   const ranks = tp.size > 1
     ? ` · ${tp.size} tensor-parallel ranks (${down.length ? `rank ${down.join(", ")} down` : "all up"})`
     : "";
-  $("model").textContent = `${stats.model} · context ${stats.max_model_len}${ranks} · up ${Math.round(stats.uptime_s)} s`;
+  $("model").textContent = `${stats.model} · context ${stats.max_model_len}${ranks} · up ${Math.round(stats.uptime_s)} s`
+    + (stats.models.length > 1 ? memory : "");
   $("running").textContent = stats.running;
   $("running-sub").textContent = `of ${stats.max_num_seqs} at most`;
   $("waiting").textContent = stats.waiting;
@@ -101,7 +125,7 @@ async function poll() {
   if (polling) return;
   polling = true;
   try {
-    const response = await api("/stats");
+    const response = await api(shownModel === null ? "/stats" : `/stats?model=${encodeURIComponent(shownModel)}`);
     if (!response.ok) throw new Error(await errorText(response));
     show(await response.json());
     $("status").textContent = `live · ${new Date().toLocaleTimeString()}`;
