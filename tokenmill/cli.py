@@ -94,7 +94,8 @@ def _add_bench_flags(bench: argparse.ArgumentParser) -> None:
 
     bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL "
                        "(default: %(default)s)")
-    bench.add_argument("--model", help="the model to ask for (default: the first id of /v1/models)")
+    bench.add_argument("--model", help="the model to ask for (default: the first id of /v1/models); several, "
+                       "comma-separated (LoRA adapters, a server's models): the requests take them in turn")
     bench.add_argument("--api-key", default=_env_api_key(), help=API_KEY_HELP)
     bench.add_argument("--workload", choices=WORKLOADS)
     bench.add_argument("--endpoint", choices=["chat", "completions"], default="chat", help="(default: %(default)s)")

@@ -112,6 +112,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "several models": ("models_file", "max_memory", "keep_alive", "model_load_timeout"),
     "scheduling and KV memory": ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_queued_requests",
                                  "seed", "deterministic"),
+    "LoRA adapters": ("lora", "enable_lora", "max_loras", "max_lora_rank"),
     "tensor parallelism": ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"),
     "speculative decoding": ("speculative", "draft_model", "num_speculative_tokens", "prompt_lookup_min",
                              "prompt_lookup_max", "speculative_max_seqs"),
@@ -197,6 +198,14 @@ class EngineConfig:
     cpu_prefill_attention: bool = option(True, "on CPU, prompt chunks attend through tokenmill's flash-attention "
                                                "kernel, straight from the paged KV pool (off: torch's SDPA over "
                                                "keys gathered from it, with a mask)")
+    lora: tuple[str, ...] = option((), "a LoRA adapter served beside the model as NAME=PATH (a PEFT folder: "
+                                        "adapter_config.json and adapter_model.safetensors); NAME is a model name "
+                                        "in requests and /v1/models; repeat for several")
+    enable_lora: bool = option(False, "serve LoRA adapters (on with --lora): loaded at start (--lora) or at run "
+                                      "time (POST /v1/load_lora_adapter), requests for different adapters and the "
+                                      "base model in the same steps")
+    max_loras: int = option(4, "LoRA adapters loaded at once (each takes a slot beside every adapted projection)")
+    max_lora_rank: int = option(16, "the largest LoRA rank an adapter may have (the slots' rank)")
     tensor_parallel_size: int = option(1, "ranks on this host that each hold a share of every layer's heads and "
                                           "MLP rows, run each step together and sum their partial results (on CPU "
                                           "each rank takes --threads, by default the CPUs split among them)")
@@ -239,6 +248,14 @@ class EngineConfig:
                                         "the prefix cache held (batch-invariant kernels; CPU with the C++ kernels, "
                                         "paged KV; no dense weight copies)")
 
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora)
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """--lora's (name, path) pairs."""
+        return [(entry.partition("=")[0], entry.partition("=")[2]) for entry in self.lora]
+
     def weight_plan(self) -> WeightPlan:
         """The weight settings, for the model and a draft model alike."""
         budget = None if self.dense_weights_budget == "auto" else parse_size(self.dense_weights_budget)
@@ -252,7 +269,14 @@ class EngineConfig:
         _check_choices(self)
         # A step of no tokens would never run anything (a server whose requests waited forever).
         _check_counts(self, ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "threads",
-                             "num_speculative_tokens", "tensor_parallel_size", "nnodes"))
+                             "num_speculative_tokens", "tensor_parallel_size", "nnodes", "max_loras",
+                             "max_lora_rank"))
+        for entry in self.lora:
+            name, _, path = entry.partition("=")
+            if not name or not path:
+                raise ConfigError(f"--lora {entry}: give NAME=PATH (a PEFT adapter folder)")
+        if self.lora_enabled and self.tensor_parallel_size > 1:
+            raise ConfigError("LoRA adapters are not served with --tensor-parallel-size > 1 yet")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"--prompt-lookup-min {self.prompt_lookup_min} --prompt-lookup-max "
                               f"{self.prompt_lookup_max}: n-grams of at least 1 token, min at most max")

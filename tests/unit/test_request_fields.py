@@ -47,8 +47,10 @@ def top_level() -> dict[type[RequestModel], tuple[type, dict[str, Any]]]:
     }
 
 
-# Nested request models and a minimal valid value of each (refused fields are checked inside them too).
+# Nested request models, and the bodies of routes the SDK has no method for (vLLM's LoRA routes), with a minimal
+# valid value of each (refused fields are checked inside them too).
 NESTED = {
+    "LoadLoRAAdapterRequest": {"lora_name": "a", "lora_path": "/a"}, "UnloadLoRAAdapterRequest": {"lora_name": "a"},
     "StreamOptions": {}, "ResponseStreamOptions": {}, "TextConfig": {}, "TextFormat": {"type": "text"},
     "FunctionDefinition": {"name": "f"}, "Tool": {"type": "function", "function": {"name": "f"}},
     "ToolChoiceFunction": {"name": "f"}, "NamedToolChoice": {"type": "function", "function": {"name": "f"}},

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from tokenmill.api.endpoints import chat, completions, embeddings, models, responses, status
+from tokenmill.api.endpoints import chat, completions, embeddings, lora, models, responses, status
 from tokenmill.api.errors import install_error_handlers
 from tokenmill.api.guards import OPEN_ROUTES, RequestGuard, ServingState
 from tokenmill.api.response_store import ResponseStore, open_store
@@ -52,7 +52,7 @@ def create_app(hosted: Engine | ModelPool, model_id: str | None = None, aliases:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     install_error_handlers(app)
-    for endpoint in (status, models, chat, completions, responses, embeddings):
+    for endpoint in (status, models, chat, completions, responses, embeddings, lora):
         app.include_router(endpoint.router)
     if pages is not None:
         app.include_router(pages)

@@ -69,8 +69,11 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, engine: Engine) -> None:
+    """lora: the LoRA adapter every sequence submitted runs with (None: the base model)."""
+
+    def __init__(self, engine: Engine, lora: str | None = None) -> None:
         self.engine = engine
+        self.lora = lora
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1, prompt_param: str = "prompt",
                grammar: CompiledGrammar | None = None, embed: bool = False,
@@ -89,7 +92,8 @@ class EngineClient:
                 # past 2**64 - 1, seed + i wraps (sampler.seeded_generator)
                 p = resolved if resolved.seed is None or i == 0 else replace(resolved, seed=resolved.seed + i)
                 stream = RequestStream(self.engine)
-                stream.seq_id = self.engine.add(prompt_ids, p, stream.put, grammar.new() if grammar else None, embed)
+                stream.seq_id = self.engine.add(prompt_ids, p, stream.put, grammar.new() if grammar else None, embed,
+                                                self.lora)
                 streams.append(stream)
         return streams
 

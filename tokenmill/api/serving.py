@@ -72,8 +72,9 @@ async def serving_for(request: Request, body: RequestModel) -> AsyncIterator[Ser
         config = hosting.config
         if hosted.spec.tool_call_parser is not None:
             config = replace(config, tool_call_parser=hosted.spec.tool_call_parser)
-        yield Serving(hosted.engine, EngineClient(hosted.engine), hosted.name, config, hosting.state,
-                      hosting.responses)
+        adapter = hosting.pool.adapter_of(name)  # a LoRA adapter answers as itself
+        yield Serving(hosted.engine, EngineClient(hosted.engine, adapter), adapter or hosted.name, config,
+                      hosting.state, hosting.responses)
 
 
 async def compile_grammar(serving: Serving, found: tuple[StructuredSpec, str] | None) -> CompiledGrammar | None:

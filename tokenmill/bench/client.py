@@ -147,7 +147,10 @@ async def _conversation(run: _Run, conv: Conversation) -> None:
         messages = [{"role": "system", "content": conv.system}] if conv.system else []
         for turn, user in enumerate(conv.turns, 1):
             messages.append({"role": "user", "content": user})
-            body = _body(run.cfg, run.model, messages, run.params.output_len, run.params.seed + conv.index)
+            # several models (comma-separated: LoRA adapters, a server's models): conversations take them in turn
+            models = run.model.split(",") if run.model else [None]
+            body = _body(run.cfg, models[conv.index % len(models)], messages, run.params.output_len,
+                         run.params.seed + conv.index)
             record = RequestRecord(conv.index, turn, time.perf_counter() - run.t0)
             run.records.append(record)
             reply = await _request(run.client, run.cfg, body, record, run.t0)
@@ -180,7 +183,8 @@ async def run(cfg: ClientConfig, params: WorkloadParams, progress: bool = True) 
         model = cfg.model or await _first_model(client)
         warmup = [{"role": "user", "content": synthetic_text(random.Random("warmup"), 16)}]
         for _ in range(cfg.warmup):
-            await _request(client, cfg, _body(cfg, model, warmup, 8, params.seed), RequestRecord(-1, 0, 0.0), 0.0)
+            for each in (model.split(",") if model else [None]):
+                await _request(client, cfg, _body(cfg, each, warmup, 8, params.seed), RequestRecord(-1, 0, 0.0), 0.0)
         slots = asyncio.Semaphore(concurrency)
         records: list[RequestRecord] = []
         with tqdm(total=params.total_requests, desc=params.name, unit="req", file=sys.stderr,

@@ -189,13 +189,14 @@ class PagedKVCache:
             table[i] = 0
             i -= 1
 
-    def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
+    def match_prefix(self, seq_id: int, tokens: list[int], salt: int = 0) -> int:
         """On admission: share the longest cached prefix (whole blocks, never the last token, whose logits are
-        needed); returns how many tokens it covers."""
+        needed); returns how many tokens it covers. salt: the namespace of the sequence's KV (its LoRA adapter's):
+        only KV cached under the same salt is shared."""
         if self.prefix_cache is None or self.tables.get(seq_id):
             return 0
         usable = (len(tokens) - 1) // self.block_size * self.block_size
-        blocks, sliding = self.prefix_cache.match(tokens[:usable])
+        blocks, sliding = self.prefix_cache.match(_salted(tokens[:usable], salt))
         for pool, held in zip(self.pools, (blocks, sliding), strict=False):
             for block in held:
                 if block:
@@ -203,10 +204,11 @@ class PagedKVCache:
             pool.hold(seq_id, held)
         return len(blocks) * self.block_size
 
-    def cache(self, seq_id: int, tokens: list[int]) -> None:
-        """Offer a sequence's computed tokens to the prefix cache (their full blocks become shareable)."""
+    def cache(self, seq_id: int, tokens: list[int], salt: int = 0) -> None:
+        """Offer a sequence's computed tokens to the prefix cache (their full blocks become shareable by
+        sequences of the same salt)."""
         if self.prefix_cache is not None and seq_id in self.tables:
-            self.prefix_cache.insert(tokens, self.tables[seq_id],
+            self.prefix_cache.insert(_salted(tokens, salt), self.tables[seq_id],
                                      None if self.sliding is None else self.sliding.tables[seq_id])
 
     def free(self, seq_id: int) -> None:
@@ -242,10 +244,10 @@ class ContiguousKVCache:
     def blocks_of(self, seq_id: int) -> int:
         return 0  # one buffer a sequence, no blocks
 
-    def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
+    def match_prefix(self, seq_id: int, tokens: list[int], salt: int = 0) -> int:
         return 0  # no sharing in this layout
 
-    def cache(self, seq_id: int, tokens: list[int]) -> None:
+    def cache(self, seq_id: int, tokens: list[int], salt: int = 0) -> None:
         pass
 
     def reserve(self, seq_id: int, num_tokens: int, final_len: int, computed: int = 0) -> bool:
@@ -267,3 +269,12 @@ class ContiguousKVCache:
 
 
 KVCache = PagedKVCache | ContiguousKVCache
+
+
+def _salted(tokens: list[int], salt: int) -> list[int]:
+    """Token ids moved into the salt's own range (above every vocabulary), so that the radix tree keeps each salt's
+    prefixes apart."""
+    if not salt:
+        return tokens
+    offset = salt << 32
+    return [token + offset for token in tokens]

@@ -16,6 +16,7 @@ from tokenmill.cache.sizing import build_kv_cache
 from tokenmill.config import EngineConfig
 from tokenmill.engine.draft import DraftModelProposer
 from tokenmill.engine.graphs import DecodeGraphs
+from tokenmill.engine.lora import LoRAManager
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
@@ -25,7 +26,9 @@ from tokenmill.errors import ConfigError
 from tokenmill.kernels import gpu
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.loader.chat_template import ChatTemplate
+from tokenmill.loader.lora import load_adapter
 from tokenmill.models.config import attention_crossover
+from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.parallel.collectives import agree_min
 from tokenmill.structured.backend import GrammarCompiler
 
@@ -43,6 +46,7 @@ class EngineParts:
     sampler: Sampler
     proposer: Proposer | None
     tensor_parallel: TensorParallel | None  # the worker ranks, with --tensor-parallel-size > 1
+    lora: LoRAManager | None  # the adapters' slots, with --enable-lora or --lora
 
 
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
@@ -85,12 +89,29 @@ def _build(config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None)
         tp.started()
     max_model_len = context_that_fits(config, loaded.max_model_len, kv_cache.capacity_tokens)
     scheduler = Scheduler(config, kv_cache, max_model_len, tokenizer.eos_token_ids, attention_crossover(mc))
-    runner = ModelRunner(loaded.model, kv_cache, loaded.device,
-                         decode_graphs(config, loaded, kv_cache, max_model_len))
+    lora = lora_manager(config, loaded)
+    graphs = None if lora is not None else decode_graphs(config, loaded, kv_cache, max_model_len)
+    runner = ModelRunner(loaded.model, kv_cache, loaded.device, graphs, None if lora is None else lora.slots)
     grammars = GrammarCompiler(tokenizer.to_json(), mc.vocab_size, tokenizer.eos_token_ids)
     sampler = Sampler(tokenizer.eos_token_ids, loaded.device, config.seed, grammars)
     return EngineParts(loaded, kv_cache, max_model_len, scheduler, runner, grammars, sampler,
-                       proposer(config, loaded, kv_cache, max_model_len), tp)
+                       proposer(config, loaded, kv_cache, max_model_len), tp, lora)
+
+
+def lora_manager(config: EngineConfig, loaded: LoadedModel) -> LoRAManager | None:
+    """The adapters' slots beside the model's projections, with --lora's adapters loaded (a mistake in one stops
+    the start, saying which)."""
+    if not config.lora_enabled:
+        return None
+    model = loaded.model
+    if not isinstance(model, LlamaForCausalLM) or model.model.lora is not None:
+        raise ConfigError("LoRA adapters need a model of its own (one a LoRA engine has not adapted already)")
+    manager = LoRAManager(model, loaded.config, config.max_loras, config.max_lora_rank, loaded.dtype, loaded.device)
+    for name, path in config.lora_adapters():
+        manager.load(load_adapter(name, path, loaded.config, config.max_lora_rank))
+    if loaded.device.type == "cuda" and not config.enforce_eager:
+        log.info("decode steps run op by op: CUDA graphs are not captured with LoRA adapters yet")
+    return manager
 
 
 def load(config: EngineConfig, model: str, max_model_len: int | None, draft: bool = False) -> LoadedModel:

@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -26,7 +27,9 @@ from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogp
 from tokenmill.engine.sampler import seeded_generator
 from tokenmill.engine.spec import Proposer, Speculation
 from tokenmill.engine.tensor_parallel import RankFailure, ShardedModel
+from tokenmill.errors import EngineUnavailableError, RequestError
 from tokenmill.loader import LoadedModel, weight_bytes
+from tokenmill.loader.lora import load_adapter
 from tokenmill.sampling import SamplingParams
 from tokenmill.structured.backend import Grammar
 
@@ -62,6 +65,7 @@ class Engine:
         self.scheduler, self.runner, self.sampler = parts.scheduler, parts.runner, parts.sampler
         self.grammars = parts.grammars
         self.tensor_parallel = parts.tensor_parallel
+        self.lora = parts.lora
         self.speculation = Speculation(parts.proposer, self.config, self.max_model_len)
         self.tokenizer = self.loaded.tokenizer
         self.chat_template = self.loaded.chat_template
@@ -137,16 +141,40 @@ class Engine:
                 **self.metrics.snapshot(speculative=self.proposer is not None), "sequences": sequences}
 
     def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, grammar: Grammar | None = None,
-            embed: bool = False) -> int:
+            embed: bool = False, lora: str | None = None) -> int:
         """Queue one sequence (params.max_tokens resolved, ids checked: see api/engine_client.py); its outputs go to
         sink, called on the engine thread; grammar: its own, from self.grammars (structured output); embed: only
-        prefill the prompt and send its pooled hidden state (config.pooling) as the one output. Returns its id,
-        for abort."""
+        prefill the prompt and send its pooled hidden state (config.pooling) as the one output; lora: the LoRA
+        adapter it runs with (None: the base model). Returns its id, for abort."""
         seq_id = next(self._ids)
         with self._unfinished_lock:
             self._unfinished += 1
-        self._inbox.put(("add", (seq_id, prompt_ids, params, sink, time.perf_counter(), grammar, embed)))
+        self._inbox.put(("add", (seq_id, prompt_ids, params, sink, time.perf_counter(), grammar, embed, lora)))
         return seq_id
+
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters loaded now (a glance from any thread)."""
+        return [] if self.lora is None else list(self.lora.adapters)
+
+    def load_lora(self, name: str, path: str, timeout: float = 60.0) -> None:
+        """Read a PEFT adapter (in the caller's thread) and put it in a free slot (on the engine thread, between
+        steps); a RequestError or ModelFormatError says why not."""
+        if self.lora is None:
+            raise RequestError("this server serves no LoRA adapters (--enable-lora)", param="lora_name")
+        adapter = load_adapter(name, path, self.loaded.config, self.lora.max_rank)  # type: ignore[union-attr]
+        self._on_engine_thread("load_lora", adapter, timeout)
+
+    def unload_lora(self, name: str, timeout: float = 60.0) -> None:
+        if self.lora is None:
+            raise RequestError("this server serves no LoRA adapters (--enable-lora)", param="lora_name")
+        self._on_engine_thread("unload_lora", name, timeout)
+
+    def _on_engine_thread(self, kind: str, item: object, timeout: float) -> None:
+        done: Future[None] = Future()
+        if not self.alive or self._stopping:
+            raise EngineUnavailableError("the engine is not running")
+        self._inbox.put((kind, (item, done)))
+        done.result(timeout)
 
     def abort(self, seq_id: int) -> None:
         self._inbox.put(("abort", seq_id))
@@ -217,14 +245,37 @@ class Engine:
             elif kind == "abort_all":
                 for seq in list(self._seqs.values()):
                     self._finish(seq, "abort")
+            elif kind in ("load_lora", "unload_lora"):
+                self._change_lora(kind, *item)  # type: ignore[misc]
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
+    def _change_lora(self, kind: str, item: object, done: Future[None]) -> None:
+        assert self.lora is not None
+        try:
+            if kind == "load_lora":
+                self.lora.load(item)  # type: ignore[arg-type]
+            else:
+                self.lora.unload(item)  # type: ignore[arg-type]
+        except Exception as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
     def _add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink, arrival: float,
-             grammar: Grammar | None, embed: bool) -> None:
+             grammar: Grammar | None, embed: bool, lora: str | None) -> None:
         device = self.runner.device
+        adapter = None
+        if lora is not None:
+            adapter = None if self.lora is None else self.lora.adapters.get(lora)
+            if adapter is None:  # unloaded between the API's look and now
+                with self._unfinished_lock:
+                    self._unfinished -= 1
+                sink(SequenceOutput(seq_id, "", [], [], "error", len(prompt_ids), 0,
+                                    error=f"the LoRA adapter {lora} is not loaded"))
+                return
         try:
             seq = Sequence(
                 seq_id=seq_id, prompt_ids=prompt_ids, params=params,
@@ -245,6 +296,9 @@ class Engine:
             except Exception:
                 log.error("sequence %d could not be given its error:\n%s", seq_id, traceback.format_exc())
             return
+        if adapter is not None and self.lora is not None:
+            seq.lora_slot, seq.cache_salt = adapter.slot, adapter.salt
+            self.lora.users[adapter.slot] += 1
         self._seqs[seq_id] = seq
         self.scheduler.add(seq)
 
@@ -301,6 +355,8 @@ class Engine:
         self.scheduler.finish(seq, reason)
         self._seqs.pop(seq.seq_id, None)
         self.speculation.finish(seq)
+        if seq.lora_slot >= 0 and self.lora is not None:
+            self.lora.users[seq.lora_slot] -= 1
         with self._unfinished_lock:
             self._unfinished -= 1
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))

@@ -65,6 +65,8 @@ class Sequence:
     grammar: Grammar | None = None  # structured output: what the text must match, advanced token by token
     pooling: str | None = None  # an embedding: "last" or "mean" of the prompt's final hidden states; never samples
     pooled: torch.Tensor | None = None  # its running sum (mean) or last hidden state, fp32, set by the runner
+    lora_slot: int = -1  # the LoRA adapter's slot it runs with (engine/lora.py); -1: the base model
+    cache_salt: int = 0  # the prefix cache's namespace: its adapter's, 0 for the base model
     # SamplingParams.prompt_logprobs: the entry of each prompt position after the first, set by the runner as the
     # prompt's chunks run (a recompute after preemption writes the same again)
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)

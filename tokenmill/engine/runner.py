@@ -11,6 +11,7 @@ from tokenmill.engine.request import Sequence
 from tokenmill.engine.sampler import token_logprobs
 from tokenmill.engine.scheduler import ScheduledSequence
 from tokenmill.layers.attention import SequenceSlice
+from tokenmill.layers.lora import LoRASlots
 from tokenmill.models.registry import CausalLM
 
 PROMPT_ROWS = 256  # prompt logprobs: rows of logits computed at once (SmolLM2's vocabulary: 50 MB in fp32)
@@ -18,11 +19,12 @@ PROMPT_ROWS = 256  # prompt logprobs: rows of logits computed at once (SmolLM2's
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, lora: LoRASlots | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.graphs = graphs  # decode steps that fit one are replayed from a CUDA graph
+        self.lora = lora  # the LoRA adapters' slots: each row of a step runs with its sequence's
 
     @torch.inference_mode()
     def run(self, plan: list[ScheduledSequence]) -> torch.Tensor:
@@ -55,7 +57,13 @@ class ModelRunner:
                                     min(end, len(seq.prompt_ids) - 1) - start))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, metadata.prepare(self.kv_cache, slices))
+        if self.lora is not None:
+            self.lora.begin_step([item.seq.lora_slot for item in plan for _ in range(item.num_tokens)])
+        try:
+            hidden = self.model(ids, pos, metadata.prepare(self.kv_cache, slices))
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         for item, first, end in pooled:
             self._pool(item, hidden[first:end])
         for seq, first, position, count in prompt_rows:

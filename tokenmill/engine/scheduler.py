@@ -63,8 +63,8 @@ class KVReserver(Protocol):
 
     def reserve(self, seq_id: int, num_tokens: int, final_len: int, computed: int = 0) -> bool: ...
     def free(self, seq_id: int) -> None: ...
-    def match_prefix(self, seq_id: int, tokens: list[int]) -> int: ...
-    def cache(self, seq_id: int, tokens: list[int]) -> None: ...
+    def match_prefix(self, seq_id: int, tokens: list[int], salt: int = 0) -> int: ...
+    def cache(self, seq_id: int, tokens: list[int], salt: int = 0) -> None: ...
 
 
 def check_stop(seq: Sequence, token: int, eos_token_ids: set[int] | frozenset[int], max_model_len: int) -> str | None:
@@ -166,7 +166,8 @@ class Scheduler:
             # A mean needs every position's hidden state, prompt logprobs every position's logits: such a
             # sequence computes its whole prompt.
             whole = seq.pooling == "mean" or seq.params.prompt_logprobs is not None
-            cached = 0 if whole else self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
+            cached = 0 if whole else self.kv.match_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens),
+                                                                   seq.cache_salt)
             seq.num_computed_tokens = cached
             n = self._chunk(seq, budget)
             alone = n == 0 and head and whole_prompts
@@ -268,7 +269,7 @@ class Scheduler:
             if before < len(seq.prompt_ids):
                 # A prompt's full blocks are shareable as each chunk ends: before a sliding window passes them
                 # (its layers' blocks are then freed), and for a request that arrives while the prompt still runs.
-                self.kv.cache(seq.seq_id, seq.prompt_ids[:seq.num_computed_tokens])
+                self.kv.cache(seq.seq_id, seq.prompt_ids[:seq.num_computed_tokens], seq.cache_salt)
             if item.pools:
                 self.finish(seq, "stop")
                 finished.append(seq)
@@ -316,7 +317,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         """Give back a sequence's KV, first offering what it computed to the prefix cache."""
-        self.kv.cache(seq.seq_id, seq.tokens(0, seq.num_computed_tokens))
+        self.kv.cache(seq.seq_id, seq.tokens(0, seq.num_computed_tokens), seq.cache_salt)
         self.kv.free(seq.seq_id)
 
     def _evict(self, seq: Sequence) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -26,6 +27,8 @@ from tokenmill.errors import (
     ModelFormatError,
     ModelNotFoundError,
     ModelUnavailableError,
+    NotFoundError,
+    RequestError,
 )
 from tokenmill.hosting.specs import ModelSpec
 from tokenmill.loader import release_freed_memory
@@ -47,13 +50,14 @@ def resident_bytes() -> int:
 
 
 def machine_memory() -> int:
-    """What the machine has for this process: the memory available now and what the process already holds."""
+    """What the machine has for the models: nine tenths of the memory available now (the rest: the process's own
+    and each load's transient peak, which footprints do not count)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as info:
             available = next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available + resident_bytes()
+    return available * 9 // 10
 
 
 def estimate_bytes(config: EngineConfig) -> int:
@@ -84,10 +88,16 @@ class HostedModel:
     last_used: float = 0.0  # monotonic: when it was last seen busy
     keep_alive: float | None = None  # seconds it stays loaded once idle (None: until memory is needed)
     footprint: int = 0  # what its weights and KV memory took when it last loaded
+    resident_growth: int | None = None  # how much the process's resident memory grew while it last loaded
     load_s: float | None = None
     unload_s: float | None = None
     loads: int = 0
     task: asyncio.Future[None] | None = field(default=None, repr=False)  # its load or unload under way
+    # its LoRA adapters (--lora's, then those loaded at run time), name -> path: loaded into each engine it gets
+    adapters: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.adapters.update(self.spec.engine.lora_adapters())
 
     @property
     def name(self) -> str:
@@ -101,6 +111,7 @@ class HostedModel:
         """What /v1/models and the dashboard say of it."""
         idle = None if self.state != "loaded" or self.busy else round(time.monotonic() - self.last_used, 1)
         return {"state": self.state, "loaded": self.state == "loaded", "memory_bytes": self.footprint or None,
+                "resident_growth_bytes": self.resident_growth,
                 "load_seconds": self.load_s, "unload_seconds": self.unload_s, "loads": self.loads,
                 "idle_seconds": idle, "keep_alive": self.keep_alive if self.keep_alive is not None else -1}
 
@@ -111,7 +122,9 @@ class ModelPool:
 
     def __init__(self, specs: list[ModelSpec], max_memory: int | None = None, load_timeout: float = 300.0) -> None:
         self.models = [HostedModel(spec, keep_alive=spec.keep_alive) for spec in specs]
-        self._by_name = {name: hosted for hosted in self.models for name in hosted.spec.names}
+        self._by_name = {name: hosted for hosted in self.models for name in (*hosted.spec.names, *hosted.adapters)}
+        if len(self._by_name) < sum(len(h.spec.names) + len(h.adapters) for h in self.models):
+            raise ConfigError("a LoRA adapter has the name of a model, an alias or another adapter")
         self.max_memory = max_memory if max_memory is not None else machine_memory()
         self.load_timeout = load_timeout
         self.closed = False
@@ -133,6 +146,36 @@ class ModelPool:
         if hosted is None:
             raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return hosted
+
+    def adapter_of(self, name: str) -> str | None:
+        """The LoRA adapter a model name is (None: a model or an alias)."""
+        hosted = self._by_name.get(name)
+        return name if hosted is not None and name in hosted.adapters else None
+
+    async def load_adapter(self, name: str, path: str, base: str | None) -> HostedModel:
+        """Load a LoRA adapter at run time beside `base` (None: the first model that serves adapters), loading the
+        base first where it is not; its name is then a model of /v1/models until unloaded."""
+        if name in self._by_name:
+            raise RequestError(f"the name {name} is taken: a model, an alias or a loaded LoRA adapter",
+                               param="lora_name")
+        hosted = self.find(base) if base is not None else next(
+            (h for h in self.models if h.spec.engine.lora_enabled), None)
+        if hosted is None or not hosted.spec.engine.lora_enabled:
+            raise RequestError("no model here serves LoRA adapters (--enable-lora)", param="lora_name")
+        async with self.lease(hosted.name) as leased:
+            assert leased.engine is not None
+            await asyncio.to_thread(leased.engine.load_lora, name, path)
+        hosted.adapters[name] = path
+        self._by_name[name] = hosted
+        return hosted
+
+    async def unload_adapter(self, name: str) -> None:
+        hosted = self._by_name.get(name)
+        if hosted is None or name not in hosted.adapters:
+            raise NotFoundError(f"The LoRA adapter `{name}` is not loaded.", param="lora_name")
+        if hosted.engine is not None and hosted.state == "loaded":
+            await asyncio.to_thread(hosted.engine.unload_lora, name)
+        del hosted.adapters[name], self._by_name[name]
 
     @property
     def first(self) -> HostedModel:
@@ -257,16 +300,29 @@ class ModelPool:
         """Load and start the model's engine (any thread) and record what it took."""
         log.info("loading %s (%s)", hosted.name, hosted.spec.engine.model)
         before, started = resident_bytes(), time.perf_counter()
-        engine = Engine(hosted.spec.engine)
+        # The engine loads the adapters after it starts: --lora's and those loaded at run time alike.
+        engine = Engine(dataclasses.replace(hosted.spec.engine, lora=(), enable_lora=hosted.spec.engine.lora_enabled))
         try:
             engine.start()
+            static = dict(hosted.spec.engine.lora_adapters())
+            for name, path in list(hosted.adapters.items()):
+                try:
+                    engine.load_lora(name, path)
+                except (ModelFormatError, RequestError) as exc:
+                    if name in static:  # --lora's: the model does not load without it
+                        raise
+                    log.warning("%s: the LoRA adapter %s loaded at run time is dropped: %s", hosted.name, name, exc)
+                    del hosted.adapters[name], self._by_name[name]
         except BaseException:
+            if engine.alive:
+                engine.stop()
             del engine
             gc.collect()
             release_freed_memory()
             raise
         hosted.load_s = round(time.perf_counter() - started, 2)
         hosted.footprint = engine.memory_bytes()
+        hosted.resident_growth = resident_bytes() - before
         hosted.engine, hosted.state, hosted.loads = engine, "loaded", hosted.loads + 1
         hosted.last_used = time.monotonic()
         log.info("loaded %s in %.1f s: weights and KV %.0f MiB, resident %.0f -> %.0f MiB (the models hold %.0f of "

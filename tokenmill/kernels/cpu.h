@@ -330,4 +330,8 @@ void paged_decode_rows(const float* q, const KV* k_cache, const KV* v_cache, con
                        const int64_t* lengths, float* out, int64_t seqs, int64_t heads, int64_t kv_heads,
                        int64_t dim, int64_t block_size, int64_t width, float scale, int64_t window);
 
+// LoRA adapters' products added to a projection's fp32 rows, each row its slot's (-1: none) (lora.cpp).
+void lora_add_rows(float* y, const float* x, const int64_t* slot, int64_t n, int64_t in, int64_t columns,
+                   const at::Tensor& a, at::TensorList b, int64_t rank);
+
 }  // namespace tokenmill

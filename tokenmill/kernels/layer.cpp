@@ -63,15 +63,18 @@ void norm_in_place(float* rows, const float* weight, int64_t count, int64_t cols
 // this many rows or more multiply on AMX tiles (quant.cpp; 0: never). bf16_rows: a bf16 model's, whose bf16 weights
 // multiply its rows rounded to bf16 (quantized_matmul). tp_slots, tp_flags: a tensor-parallel rank's shared
 // segment (parallel/collectives.py), through which the o and down projections' partial sums are all-reduced, as
-// exchanges tp_generation + 1 and + 2. Returns this layer's MLP output (normed, with an output norm).
+// exchanges tp_generation + 1 and + 2. lora_rank > 0: weights go on with each row's LoRA slot and the adapters'
+// factors (lora.cpp). Returns this layer's MLP output (normed, with an output norm).
 at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights,
                         at::IntArrayRef layouts, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
                         const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale,
                         int64_t tiles_from_rows, int64_t window, bool gelu, bool bf16_rows,
                         const std::optional<at::Tensor>& tp_slots, const std::optional<at::Tensor>& tp_flags,
-                        int64_t tp_rank, int64_t tp_world, int64_t tp_generation, double tp_timeout) {
-  TORCH_CHECK(weights.size() == 19 && layouts.size() == 8, "19 weight tensors, 4 subs and 4 zero points");
+                        int64_t tp_rank, int64_t tp_world, int64_t tp_generation, double tp_timeout,
+                        int64_t lora_rank) {
+  TORCH_CHECK((weights.size() == 19 || (weights.size() == 31 && lora_rank > 0)) && layouts.size() == 8,
+              "19 weight tensors (and with a LoRA rank, each row's slot and 11 factors), 4 subs and 4 zero points");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t n = x.size(0), hidden = x.size(1);
   float* xs = const_cast<float*>(f32(x, n * hidden, "x"));
@@ -123,9 +126,23 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   act.resize(n * inter);
   at::Tensor out = at::empty({n, hidden}, x.options());
 
+  // LoRA adapters (layers/lora.py), after the 19 weights: each row's slot, and the q|k|v, o, gate|up and down
+  // projections' factors, a then each part's b; every projection's product added to its rows, before its bias and
+  // norms.
+  const bool adapted = weights.size() == 31;
+  TORCH_CHECK(!adapted || (weights[19].scalar_type() == at::kLong && weights[19].numel() == n), "a LoRA slot a row");
+  const int64_t* lora_slot = adapted ? weights[19].data_ptr<int64_t>() : nullptr;
+  const at::TensorList lora = adapted ? weights.slice(20, 11) : at::TensorList();
+  const auto adapt = [&](float* y, const float* rows, int64_t in, int64_t columns, size_t first, size_t parts) {
+    if (adapted)
+      tokenmill::lora_add_rows(y, rows, lora_slot, n, in, columns, lora[first], lora.slice(first + 1, parts),
+                               lora_rank);
+  };
+
   const float ep = static_cast<float>(eps);
   tokenmill::rms_norm_rows(xs, pend, norm1, h.data(), n, hidden, ep);
   tokenmill::quantized_matmul(h.data(), n, qkv_w, qkv.data(), tiles_from_rows, bf16_rows);
+  adapt(qkv.data(), h.data(), hidden, qkv_w.out, 0, 3);
   if (bias)
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < qkv_w.out; ++j) qkv[t * qkv_w.out + j] += bias[j];
@@ -151,12 +168,15 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
                                    tp_generation + exchange, tp_timeout);
   };
   tokenmill::quantized_matmul(attn.data(), n, o_w, o.data(), tiles_from_rows, bf16_rows);
+  adapt(o.data(), attn.data(), heads * dim, hidden, 4, 1);
   all_reduce(o.data(), 1);
   norm_in_place(o.data(), attn_out_norm, n, hidden, ep);
   tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, ep);
   tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data(), tiles_from_rows, bf16_rows);
+  adapt(gate_up.data(), h.data(), hidden, gu_w.out, 6, 2);
   tokenmill::act_mul_rows(gate_up.data(), act.data(), n, inter, gelu);
   tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>(), tiles_from_rows, bf16_rows);
+  adapt(out.data_ptr<float>(), act.data(), inter, hidden, 9, 1);
   all_reduce(out.data_ptr<float>(), 2);
   norm_in_place(out.data_ptr<float>(), mlp_out_norm, n, hidden, ep);
   return out;
@@ -169,7 +189,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, "
         "int kv_heads, float eps, float scale, int tiles_from_rows=0, int window=0, bool gelu=False, "
         "bool bf16_rows=False, Tensor? tp_slots=None, Tensor? tp_flags=None, int tp_rank=0, int tp_world=1, "
-        "int tp_generation=0, float tp_timeout=10.0) -> Tensor");
+        "int tp_generation=0, float tp_timeout=10.0, int lora_rank=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -9,3 +9,4 @@
 #include "collectives.cpp"  // before layer.cpp, whose fused layer all-reduces across tensor-parallel ranks
 #include "layer.cpp"
 #include "tiles.cpp"
+#include "lora.cpp"

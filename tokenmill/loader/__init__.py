@@ -56,7 +56,8 @@ def weight_bytes(model: CausalLM | torch.nn.Module) -> tuple[int, int]:
     seen: set[int] = set()
     quantized = dense = 0
     for module in model.modules():  # type: ignore[union-attr]
-        for value in (*vars(module).values(), *module._parameters.values(), *module._buffers.values()):
+        held = (*vars(module).values(), *module._parameters.values(), *module._buffers.values())
+        for value in (item for v in held for item in (v if isinstance(v, list) else (v,))):
             if id(value) in seen or not isinstance(value, (torch.Tensor, QuantizedWeight, gpu.QuantizedRows)):
                 continue
             seen.add(id(value))

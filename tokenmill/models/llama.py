@@ -28,6 +28,7 @@ from tokenmill.layers.linear import (
     project,
     row_matmul_takes,
 )
+from tokenmill.layers.lora import LoRASlots, base_of, fused_factors
 from tokenmill.layers.moe import QuantizedStacked, SparseMoE, StackedWeight
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantized import (
@@ -168,7 +169,7 @@ def fused_decode_weights(attn: Attention, mlp: nn.Module, norms: tuple[RMSNorm, 
     norms and bias are given as fp32 copies (a few KiB a layer)."""
     if not isinstance(mlp, MLP) or attn.clip is not None or (attn.qk_norm and not attn.qk_norm_per_head):
         return None
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = tuple(base_of(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
     if not all(isinstance(m, QuantizedLinear) and (m.bias is None or m is attn.qkv_proj) for m in linears):
         return None
     none = torch.empty(0)
@@ -214,6 +215,7 @@ class LlamaModel(nn.Module):
         self.fused_decode: list[tuple[list[torch.Tensor], list[int]]] | None = None  # see fuse_decode_layers
         self.fused_decode_below: int | None = None  # decode steps of fewer rows run fused (None: all of them)
         self.fused_all_reduce: FusedAllReduce | None = None  # a tensor-parallel rank's: the fused layer sums itself
+        self.lora: LoRASlots | None = None  # the adapters beside the projections (engine/lora.py installs them)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings, times the config's multiplier (Gemma, Granite) rounded to the compute dtype
@@ -229,7 +231,9 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         ropes = self.layer_ropes(positions)
         pending = None
-        if self.fused_decode is not None and _fused_decode_runs(meta, x, self.fused_decode_below):
+        # the fused layer runs adapters through the kernels (kernels/lora.cpp), not through torch
+        adapted = self.lora is not None and self.lora.active and not self.lora.kernel
+        if self.fused_decode is not None and not adapted and _fused_decode_runs(meta, x, self.fused_decode_below):
             # The fused layer's rows are fp32 (a bf16 model's residual stream widens for it, then narrows).
             dtype, x = x.dtype, x.float()
             pending = self._decode_fused(x, ropes, meta, dtype == torch.bfloat16)
@@ -257,17 +261,23 @@ class LlamaModel(nn.Module):
         pools = [meta] if meta.sliding is None else [meta, meta.sliding]  # the steps over each KV pool
         tables = [pool.decode_tables.view(meta.num_decodes, -1) for pool in pools]
         # registry.py sets every layer's alike
-        tiles_from_rows = cast(QuantizedLinear, first.self_attn.qkv_proj).tiles_from_rows
+        tiles_from_rows = cast(QuantizedLinear, base_of(first.self_attn.qkv_proj)).tiles_from_rows
         pending = torch.empty(0)
         layers = zip(cast(list[DecoderLayer], self.layers), cast(list, self.fused_decode), ropes, strict=True)
         for i, (layer, (weights, layouts), (cos, sin)) in enumerate(layers):
             attn = layer.self_attn
             pool, index = meta.of_layer(i)
             tp = () if self.fused_all_reduce is None else self.fused_all_reduce.take_exchanges(2)
+            lora = {}
+            if self.lora is not None and self.lora.active:  # the step's rows' slots and the adapters' factors
+                mlp = cast(MLP, layer.mlp)
+                weights = [*weights, self.lora.row_slots,
+                           *fused_factors((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))]
+                lora = {"lora_rank": self.lora.rank}
             pending = torch.ops.tokenmill.decode_layer(
                 x, pending, weights, layouts, cos, sin, pool.k_cache[index], pool.v_cache[index], pool.slot_mapping,
                 tables[pool is not meta], meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale,
-                tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu, bf16_rows, *tp)
+                tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu, bf16_rows, *tp, **lora)
         return pending
 
 

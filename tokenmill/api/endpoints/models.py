@@ -1,4 +1,5 @@
-"""/v1/models: every model the server hosts, by its id or an alias, and whether it is loaded now."""
+"""/v1/models: every model the server hosts, by its id or an alias, and whether it is loaded now; each LoRA adapter
+as a model of its own whose parent is its base (as vLLM lists them)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from tokenmill.hosting.pool import HostedModel
 router = APIRouter()
 
 
-def _model_card(hosting: Hosting, hosted: HostedModel) -> dict[str, Any]:
+def _model_card(hosting: Hosting, hosted: HostedModel, adapter: str | None = None) -> dict[str, Any]:
     engine, settings = hosted.engine, hosted.spec.engine
-    return {"id": hosted.name, "object": "model", "created": hosting.created, "owned_by": "tokenmill",
-            "root": settings.model, "parent": None,
+    return {"id": adapter or hosted.name, "object": "model", "created": hosting.created, "owned_by": "tokenmill",
+            "root": hosted.adapters[adapter] if adapter else settings.model, "parent": hosted.name if adapter else None,
             "max_model_len": engine.max_model_len if engine is not None else settings.max_model_len,
             "deterministic": settings.deterministic, "status": hosted.describe()}
 
@@ -23,11 +24,13 @@ def _model_card(hosting: Hosting, hosted: HostedModel) -> dict[str, Any]:
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     hosting = hosting_of(request)
-    return {"object": "list", "data": [_model_card(hosting, hosted) for hosted in hosting.pool.models]}
+    return {"object": "list", "data": [card for hosted in hosting.pool.models
+                                       for card in (_model_card(hosting, hosted),
+                                                    *(_model_card(hosting, hosted, a) for a in hosted.adapters))]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> dict:
     """The model by its id or an alias (ids may hold slashes, like Hugging Face names)."""
     hosting = hosting_of(request)
-    return _model_card(hosting, hosting.pool.find(model_id))
+    return _model_card(hosting, hosting.pool.find(model_id), hosting.pool.adapter_of(model_id))
