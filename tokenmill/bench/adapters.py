@@ -1,7 +1,8 @@
 """Random LoRA adapters for a model, written as PEFT writes them (adapter_config.json, adapter_model.safetensors),
-for benchmarks and tests: every projection of every layer adapted, factors of a small random scale.
+for benchmarks (docs/features/lora.md) and tests: every projection of every layer adapted unless told otherwise,
+factors of a small random scale.
 
-    python scripts/random_lora.py MODEL OUT_FOLDER --count 4 --rank 16
+    python -m tokenmill.bench.adapters MODEL OUT_FOLDER --count 4 --rank 16
 """
 
 from __future__ import annotations
