@@ -1,0 +1,257 @@
+"""LoRA adapters against PEFT on tiny random bases and random adapters made at test time: each adapter's greedy
+tokens are its merged model's (fp32); requests for different adapters and the base share steps and each gets what it
+gets alone; the fused decode layer adds the adapters as the op-by-op path does; KV is never shared across adapters."""
+
+from __future__ import annotations
+
+import json
+import queue
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from helpers import hf_configs, save_random_hf_model, write_tiny_gguf
+from tokenmill.bench.adapters import write_adapter
+from tokenmill.config import EngineConfig, WeightPlan
+from tokenmill.engine.engine import Engine
+from tokenmill.errors import ConfigError, ModelFormatError
+from tokenmill.layers import lora as lora_layer
+from tokenmill.loader import load_model
+from tokenmill.loader.lora import load_adapter
+from tokenmill.sampling import SamplingParams
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 17, 99, 3, 42], [7, 7, 200, 1], [250, 12, 64, 9, 33, 81]]
+TOKENS = 12
+
+
+def run(engine: Engine, requests: list[tuple[list[int], str | None]], tokens: int = TOKENS) -> list[list[int]]:
+    """Greedy tokens of each (prompt, adapter), submitted together so that they share steps."""
+    outputs: queue.Queue = queue.Queue()
+    ids = [engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), outputs.put,
+                      lora=adapter) for prompt, adapter in requests]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    done = 0
+    while done < len(ids):
+        out = outputs.get(timeout=120)
+        assert out.error is None, out.error
+        got[out.seq_id] += out.token_ids
+        done += out.finish_reason is not None
+    return [got[i] for i in ids]
+
+
+def engine_of(model: Path, **config) -> Engine:
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", threads=2, kv_cache_memory="16MiB", **config))
+    engine.start()
+    return engine
+
+
+# (family, PEFT settings): every projection, attention only with rsLoRA, MLP only with an alpha pattern
+ADAPTERS = {
+    "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"]),
+    "attention-rslora": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj"]),
+    "mlp-patterns": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"],
+                         rank_pattern={"down_proj": 2}, alpha_pattern={"up_proj": 4}),
+}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3-rope"])
+def base(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp(request.param)
+    save_random_hf_model(folder, hf_configs()[request.param], norm_noise=0.1)
+    return folder
+
+
+def peft_adapter(base: Path, folder: Path, settings: dict, seed: int) -> list[list[int]]:
+    """A random PEFT adapter on base saved into folder; returns its merged model's greedy tokens of PROMPTS."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **settings))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.3)
+    adapted.save_pretrained(folder)
+    merged = adapted.merge_and_unload().eval()
+    with torch.no_grad():
+        return [merged.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS,
+                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_each_adapter_gives_its_merged_models_tokens(base: Path, tmp_path: Path, kernel: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kernel:  # the products as two matmuls and a mask, as where the C++ kernels do not run
+        monkeypatch.setattr(lora_layer.backend, "cpu_kernels", lambda device: False)
+    expected = {name: peft_adapter(base, tmp_path / name, settings, seed)
+                for seed, (name, settings) in enumerate(ADAPTERS.items())}
+    engine = engine_of(base, lora=tuple(f"{name}={tmp_path / name}" for name in ADAPTERS))
+    try:
+        plain = run(engine, [(p, None) for p in PROMPTS])
+        for name, tokens in expected.items():
+            assert run(engine, [(p, name) for p in PROMPTS]) == tokens, name
+            assert tokens != plain  # the adapter changes the answer: a no-op would pass the line above
+        merged = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert plain == [merged.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False,
+                                             min_new_tokens=TOKENS, pad_token_id=0)[0, len(p):].tolist()
+                             for p in PROMPTS]
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    """A tiny Q8_0 GGUF (the fused decode layer runs it) and four random rank-8 adapters of it."""
+    folder = tmp_path_factory.mktemp("lora-q8")
+    gguf = write_tiny_gguf(folder / "q8.gguf", qtype=GGMLQuantizationType.Q8_0, hidden=256)
+    config = load_model(str(gguf), WeightPlan(dtype="float32", device="cpu")).config
+    return gguf, [write_adapter(folder / f"a{i}", config, rank=8, seed=i, scale=0.1) for i in range(4)]
+
+
+def test_a_batch_over_four_adapters_and_the_base_gives_each_request_its_tokens_alone(
+        quantized: tuple[Path, list[Path]]) -> None:
+    gguf, adapters = quantized
+    names = [None, "a0", "a1", "a2", "a3"]
+    requests = [([3 + i, 11, 40 + 2 * i, 7], names[i % 5]) for i in range(16)]
+    engine = engine_of(gguf, lora=tuple(f"a{i}={path}" for i, path in enumerate(adapters)), max_loras=4,
+                       max_lora_rank=8)
+    try:
+        alone = [run(engine, [request])[0] for request in requests]
+        together = run(engine, requests)
+        assert together == alone
+        assert len({tuple(alone[i]) for i in range(5)}) == 5  # five models: five answers to the prompts' kin
+    finally:
+        engine.stop()
+
+
+def test_the_fused_decode_layer_adds_the_adapters_as_the_op_by_op_path_does(
+        quantized: tuple[Path, list[Path]]) -> None:
+    gguf, adapters = quantized
+    requests = [([3 + i, 11, 40 + 2 * i, 7], f"a{i % 4}" if i % 3 else None) for i in range(8)]
+    answers = []
+    for fused in (True, False):
+        engine = engine_of(gguf, lora=tuple(f"a{i}={path}" for i, path in enumerate(adapters)),
+                           max_lora_rank=8, fused_decode_layers=fused)
+        try:
+            assert (engine.loaded.model.model.fused_decode is not None) == fused  # type: ignore[union-attr]
+            answers.append(run(engine, requests, tokens=24))
+        finally:
+            engine.stop()
+    assert answers[0] == answers[1]
+
+
+def test_the_prefix_cache_never_shares_kv_between_adapters(quantized: tuple[Path, list[Path]]) -> None:
+    gguf, adapters = quantized
+    engine = engine_of(gguf, lora=(f"a0={adapters[0]}", f"a1={adapters[1]}"), max_lora_rank=8, block_size=16)
+    prompt = list(range(3, 60))  # three full blocks and more
+
+    def cached(adapter: str | None) -> int:
+        outputs: queue.Queue = queue.Queue()
+        engine.add(prompt, SamplingParams(max_tokens=2, temperature=0), outputs.put, lora=adapter)
+        while (out := outputs.get(timeout=60)).finish_reason is None:
+            pass
+        return out.cached_tokens
+
+    try:
+        assert cached("a0") == 0
+        assert cached("a1") == 0 and cached(None) == 0  # the same tokens, another adapter's KV: not shared
+        assert cached("a0") == 48 and cached("a1") == 48 and cached(None) == 48  # each its own, from now on
+        engine.unload_lora("a1")
+        engine.load_lora("a1", str(adapters[1]))
+        assert cached("a1") == 0  # loaded again: a new namespace (its weights could have changed on disk)
+    finally:
+        engine.stop()
+
+
+def test_adapters_load_and_unload_at_run_time_within_the_cap(quantized: tuple[Path, list[Path]]) -> None:
+    gguf, adapters = quantized
+    engine = engine_of(gguf, enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        engine.load_lora("x", str(adapters[0]))
+        engine.load_lora("y", str(adapters[1]))
+        with pytest.raises(Exception, match="2 LoRA adapters are loaded"):
+            engine.load_lora("z", str(adapters[2]))
+        with pytest.raises(Exception, match="already loaded"):
+            engine.load_lora("x", str(adapters[0]))
+        first = run(engine, [([5, 6, 7], "x")])
+        engine.unload_lora("x")
+        assert engine.lora_adapters() == ["y"]
+        with pytest.raises(Exception, match="is not loaded"):
+            engine.unload_lora("x")
+        assert run(engine, [([5, 6, 7], "y")]) != first
+        engine.load_lora("x", str(adapters[0]))  # the freed slot, zeroed and filled again
+        assert run(engine, [([5, 6, 7], "x")]) == first
+        outputs: queue.Queue = queue.Queue()
+        engine.add([1, 2], SamplingParams(max_tokens=2), outputs.put, lora="gone")
+        assert outputs.get(timeout=30).error == "the LoRA adapter gone is not loaded"
+    finally:
+        engine.stop()
+
+
+def adapter_folder(folder: Path, config, **changes) -> Path:
+    """A valid rank-4 adapter of config, then its files changed: settings merged into adapter_config.json,
+    tensors replaced ("key": tensor) or removed ("key": None)."""
+    write_adapter(folder, config, rank=4, seed=0)
+    settings = json.loads((folder / "adapter_config.json").read_text())
+    settings.update(changes.pop("settings", {}))
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+    if changes.get("tensors"):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        for key, value in changes["tensors"].items():
+            if value is None:
+                tensors.pop(key)
+            else:
+                tensors[key] = value
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(("changes", "said"), [
+    ({"tensors": {f"{Q}.lora_A.weight": torch.zeros(4, 100)}}, "do not fit the model's projection of 64 -> 64"),
+    ({"tensors": {f"{Q}.lora_B.weight": torch.zeros(64, 3)}}, "do not fit"),
+    ({"tensors": {f"{Q}.lora_B.weight": None}}, "layer 0 q_proj: lora_B is missing"),
+    ({"tensors": {"base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(4, 64)}},
+     "no LoRA factor of a projection this server can adapt"),
+    ({"tensors": {"base_model.model.model.layers.9.mlp.up_proj.lora_A.weight": torch.zeros(4, 64)}},
+     "the model has 2 layers"),
+    ({"settings": {"use_dora": True}}, "DoRA is not supported"),
+    ({"settings": {"bias": "all"}}, "bias 'all'"),
+    ({"settings": {"modules_to_save": ["lm_head"]}}, "modules_to_save"),
+    ({"settings": {"peft_type": "IA3"}}, "peft_type IA3 is not LORA"),
+])
+def test_an_adapter_that_does_not_fit_is_refused_with_the_reason(tmp_path: Path, changes: dict, said: str) -> None:
+    config = load_model(str(write_tiny_gguf(tmp_path / "m.gguf")), WeightPlan(dtype="float32", device="cpu")).config
+    folder = adapter_folder(tmp_path / "adapter", config, **changes)
+    with pytest.raises(ModelFormatError, match=said):
+        load_adapter("bad", folder, config, max_rank=16)
+
+
+def test_an_adapter_beyond_the_rank_or_without_files_is_refused(tmp_path: Path) -> None:
+    config = load_model(str(write_tiny_gguf(tmp_path / "m.gguf")), WeightPlan(dtype="float32", device="cpu")).config
+    folder = adapter_folder(tmp_path / "adapter", config)
+    with pytest.raises(ModelFormatError, match="rank 4 is more than --max-lora-rank 2"):
+        load_adapter("big", folder, config, max_rank=2)
+    with pytest.raises(ModelFormatError, match="has no adapter_config.json and adapter_model.safetensors"):
+        load_adapter("none", tmp_path, config, max_rank=16)
+
+
+def test_a_bad_lora_flag_stops_the_start_before_or_while_loading(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--lora x: give NAME=PATH"):
+        EngineConfig(lora=("x",)).check()
+    with pytest.raises(ConfigError, match="not served with --tensor-parallel-size"):
+        EngineConfig(lora=("x=/y",), tensor_parallel_size=2).check()
+    engine = Engine(EngineConfig(model=str(write_tiny_gguf(tmp_path / "m.gguf")), dtype="float32",
+                                 lora=(f"x={tmp_path}",), kv_cache_memory="8MiB"))
+    with pytest.raises(ModelFormatError, match="LoRA adapter x"):
+        engine.start()
