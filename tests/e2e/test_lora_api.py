@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 from gguf import GGMLQuantizationType
-
 from helpers import ServerThread, openai_client, write_tiny_gguf
+
 from tokenmill.bench.adapters import write_adapter
 from tokenmill.config import WeightPlan
 from tokenmill.hosting.pool import resident_bytes

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from helpers import hf_configs, save_random_hf_model, save_two_layer_gemma3, write_tiny_gguf
 
-from helpers import hf_configs, save_random_hf_model, write_tiny_gguf
 from tokenmill.bench.adapters import write_adapter
 from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.engine.engine import Engine
@@ -31,15 +31,21 @@ TOKENS = 12
 
 def run(engine: Engine, requests: list[tuple[list[int], str | None]], tokens: int = TOKENS) -> list[list[int]]:
     """Greedy tokens of each (prompt, adapter), submitted together so that they share steps."""
+    return [[t for t, _ in answer] for answer in run_logprobs(engine, requests, tokens)]
+
+
+def run_logprobs(engine: Engine, requests: list[tuple[list[int], str | None]],
+                 tokens: int = TOKENS) -> list[list[tuple[int, float]]]:
+    """run's tokens, each with its logprob."""
     outputs: queue.Queue = queue.Queue()
-    ids = [engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), outputs.put,
-                      lora=adapter) for prompt, adapter in requests]
-    got: dict[int, list[int]] = {i: [] for i in ids}
+    ids = [engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=0),
+                      outputs.put, lora=adapter) for prompt, adapter in requests]
+    got: dict[int, list[tuple[int, float]]] = {i: [] for i in ids}
     done = 0
     while done < len(ids):
         out = outputs.get(timeout=120)
         assert out.error is None, out.error
-        got[out.seq_id] += out.token_ids
+        got[out.seq_id] += [(t, lp.logprob) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
         done += out.finish_reason is not None
     return [got[i] for i in ids]
 
@@ -60,27 +66,41 @@ ADAPTERS = {
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama3-rope"])
+@pytest.fixture(scope="module", params=["qwen3", "llama3-rope", "gemma3"])
 def base(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp(request.param)
-    save_random_hf_model(folder, hf_configs()[request.param], norm_noise=0.1)
+    if request.param == "gemma3":  # a sliding layer and a global one, q/k norms and the sandwich norms
+        save_two_layer_gemma3(folder, head_dim=32)
+    else:
+        save_random_hf_model(folder, hf_configs()[request.param], norm_noise=0.1)
     return folder
 
 
-def peft_adapter(base: Path, folder: Path, settings: dict, seed: int) -> list[list[int]]:
-    """A random PEFT adapter on base saved into folder; returns its merged model's greedy tokens of PROMPTS."""
+def peft_adapter(base: Path, folder: Path, settings: dict, seed: int) -> tuple[list[list[int]], list[float]]:
+    """A random PEFT adapter on base saved into folder; returns its merged model's greedy tokens of PROMPTS and the
+    logprob of each one's first."""
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(seed)
     adapted = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **settings))
     with torch.no_grad():
         for name, param in adapted.named_parameters():
             if "lora_" in name:
-                param.normal_(0, 0.3)
+                param.normal_(0, 1.0)
     adapted.save_pretrained(folder)
-    merged = adapted.merge_and_unload().eval()
+    merged = adapted.merge_and_unload()
     with torch.no_grad():
-        return [merged.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS,
-                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+        first = [float(merged(torch.tensor([p])).logits[0, -1].log_softmax(-1).max()) for p in PROMPTS]
+    return greedy(merged), first
+
+
+def greedy(model: torch.nn.Module) -> list[list[int]]:
+    """transformers' greedy tokens of PROMPTS, TOKENS of each whatever they are (the engine runs with ignore_eos:
+    EOS neither stops nor is suppressed)."""
+    model.eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)[0, len(p):]
+                .tolist() for p in PROMPTS]
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
@@ -92,15 +112,16 @@ def test_each_adapter_gives_its_merged_models_tokens(base: Path, tmp_path: Path,
                 for seed, (name, settings) in enumerate(ADAPTERS.items())}
     engine = engine_of(base, lora=tuple(f"{name}={tmp_path / name}" for name in ADAPTERS))
     try:
-        plain = run(engine, [(p, None) for p in PROMPTS])
-        for name, tokens in expected.items():
-            assert run(engine, [(p, name) for p in PROMPTS]) == tokens, name
-            assert tokens != plain  # the adapter changes the answer: a no-op would pass the line above
-        merged = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-        with torch.no_grad():
-            assert plain == [merged.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False,
-                                             min_new_tokens=TOKENS, pad_token_id=0)[0, len(p):].tolist()
-                             for p in PROMPTS]
+        plain = run_logprobs(engine, [(p, None) for p in PROMPTS])
+        for name, (tokens, first) in expected.items():
+            answers = run_logprobs(engine, [(p, name) for p in PROMPTS])
+            assert [[t for t, _ in a] for a in answers] == tokens, name
+            ours = [a[0][1] for a in answers]
+            assert ours == pytest.approx(first, abs=1e-4), name
+            # the adapter changes the numbers (Gemma's tiny model repeats its prompt's last token whatever they are)
+            assert max(abs(a[0][1] - b[0][1]) for a, b in zip(answers, plain, strict=True)) > 1e-2, name
+        assert [[t for t, _ in a] for a in plain] == greedy(
+            transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32))
     finally:
         engine.stop()
 
