@@ -28,6 +28,7 @@ PATH_TESTS = (
     "tests/unit/test_batch_invariance.py",
     "tests/model/test_fidelity.py",
     "tests/model/test_prompt_logprobs.py",
+    "tests/model/test_lora.py",  # kernels/lora.cpp, op by op and inside the fused layer, against PEFT
 )
 # The real model against transformers, at the machine's own level only: most of its half a minute is transformers
 # reading the GGUF; the same fp32 path meets transformers at every level on the random models of the same file.

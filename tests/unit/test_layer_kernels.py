@@ -337,3 +337,40 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_on_three(tmp_path: Pat
         states[threads] = decode_steps(loaded, prompts, 2, new_cache(loaded, num_blocks=128))
     assert runs == [40] * 4  # the decode steps ran the fused layer, not dense copies
     assert all(torch.equal(a, b) for a, b in zip(states[1], states[3], strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("fan_in", "outs"), [((64), (64, 32, 32)), (37, (300,)), (96, (17, 530))])
+def test_lora_add_adds_each_rows_own_adapters_product(dtype: torch.dtype, fan_in: int, outs: tuple[int, ...]) -> None:
+    """kernels/lora.cpp: each row its own slot's B (A x) per part, nothing for a row of slot -1; shapes whose tails
+    the vector loops do not cover."""
+    generator = torch.Generator().manual_seed(0)
+    slots, rank, parts, rows = 3, 4, len(outs), 11
+    x = torch.randn(rows, fan_in, generator=generator).to(dtype)
+    a = torch.randn(slots * parts * rank, fan_in, generator=generator).to(dtype)
+    b = [torch.randn(slots * rank, out, generator=generator).to(dtype) for out in outs]
+    y = torch.randn(rows, sum(outs), generator=generator).to(dtype)
+    row_slots = torch.tensor([0, -1, 2, 2, 1, 0, -1, 2, 2, 2, 1])
+    expected = y.float().clone()
+    for i, slot in enumerate(row_slots.tolist()):
+        if slot < 0:
+            continue
+        offset = 0
+        for p, part in enumerate(b):
+            shrunk = a[(slot * parts + p) * rank:(slot * parts + p + 1) * rank].float() @ x[i].float()
+            expected[i, offset:offset + part.shape[1]] += shrunk @ part[slot * rank:(slot + 1) * rank].float()
+            offset += part.shape[1]
+    before = y.clone()
+    torch.ops.tokenmill.lora_add(y, x, row_slots, a, b, rank)
+    assert torch.equal(y[1], before[1]) and torch.equal(y[6], before[6])  # no adapter: untouched
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]  # the output's rounding
+    torch.testing.assert_close(y.float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+def test_lora_add_refuses_a_slot_outside_the_factors() -> None:
+    a, b = torch.zeros(8, 16), [torch.zeros(8, 16)]  # two slots of rank 4
+    with pytest.raises(RuntimeError, match="a slot out of range"):
+        torch.ops.tokenmill.lora_add(torch.zeros(1, 16), torch.zeros(1, 16), torch.tensor([2]), a, b, 4)
+    with pytest.raises(RuntimeError, match="each b must be"):
+        torch.ops.tokenmill.lora_add(torch.zeros(1, 16), torch.zeros(1, 16), torch.tensor([0]), a,
+                                     [torch.zeros(7, 16)], 4)

@@ -46,7 +46,9 @@ tool_call_parser = "hermes"
 [[models]]
 source = "tiny.gguf"  # relative to the file
 kv_cache_memory = "8MiB"
+lora = ["sql=adapters/sql", "other=/elsewhere/other"]
 ''')
+    (tmp_path / "adapters" / "sql").mkdir(parents=True)
     defaults = EngineConfig(threads=1, max_num_seqs=8)
     first, second = read_models_file(file, defaults, keep_alive=None)
     assert (first.name, first.aliases, first.keep_alive, first.tool_call_parser) == \
@@ -55,6 +57,7 @@ kv_cache_memory = "8MiB"
         ("float32", 256, 1, 8)
     assert second.name == "tiny.gguf" and second.engine.model == str(model_file) and second.keep_alive is None
     assert second.engine.kv_cache_memory == "8MiB" and second.engine.dtype == "auto"
+    assert second.engine.lora == (f"sql={tmp_path / 'adapters' / 'sql'}", "other=/elsewhere/other")
 
 
 @pytest.mark.parametrize(("body", "line", "said"), [

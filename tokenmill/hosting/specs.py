@@ -126,12 +126,16 @@ def _spec(table: dict, defaults: EngineConfig, keep_alive: float | None, fail: t
                  "engine's settings by their flags' names, with underscores)", key)
     if "source" not in table:
         fail("this model has no source (a .gguf file, a Hugging Face folder, a hub id or an alias)")
-    source = table["source"]
-    if not Path(source).is_absolute() and (folder / source).exists():
-        source = str(folder / source)  # relative to the file, as a user writing it next to the models expects
+    source = _beside(folder, table["source"])
     if (reason := missing_source(source)) is not None:
         fail(reason, "source")
     settings = {k: v for k, v in table.items() if k in _ENGINE_KEYS}
+    for key in ("chat_template", "draft_model"):
+        if isinstance(settings.get(key), str):
+            settings[key] = _beside(folder, settings[key])
+    if "lora" in settings:
+        settings["lora"] = tuple(f"{entry.partition('=')[0]}={_beside(folder, entry.partition('=')[2])}"
+                                 for entry in settings["lora"])
     engine = dataclasses.replace(defaults, model=source, **settings)
     try:
         engine.check()
@@ -150,6 +154,12 @@ def _spec(table: dict, defaults: EngineConfig, keep_alive: float | None, fail: t
     if parser is not None and parser not in choices:
         fail(f"tool_call_parser {parser!r}: choose {', '.join(choices)}", "tool_call_parser")
     return ModelSpec(name, engine, frozenset(aliases) - {name}, own_keep_alive, parser)
+
+
+def _beside(folder: Path, path: str) -> str:
+    """A path of the file's, read from the file's folder where it is relative and there (as a user who writes the
+    file next to the models expects); otherwise as given."""
+    return str(folder / path) if path and not Path(path).is_absolute() and (folder / path).exists() else path
 
 
 def _fits(value: object, hint: object) -> bool:
