@@ -199,8 +199,9 @@ class EngineConfig:
                                                "kernel, straight from the paged KV pool (off: torch's SDPA over "
                                                "keys gathered from it, with a mask)")
     lora: tuple[str, ...] = option((), "a LoRA adapter served beside the model as NAME=PATH (a PEFT folder: "
-                                        "adapter_config.json and adapter_model.safetensors); NAME is a model name "
-                                        "in requests and /v1/models; repeat for several")
+                                        "adapter_config.json and adapter_model.safetensors; or a GGUF adapter as "
+                                        "llama.cpp converts one); NAME is a model name in requests and /v1/models; "
+                                        "repeat for several")
     enable_lora: bool = option(False, "serve LoRA adapters (on with --lora): loaded at start (--lora) or at run "
                                       "time (POST /v1/load_lora_adapter), requests for different adapters and the "
                                       "base model in the same steps")

@@ -4,6 +4,7 @@ gets alone; the fused decode layer adds the adapters as the op-by-op path does; 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 from pathlib import Path
@@ -276,3 +277,65 @@ def test_a_bad_lora_flag_stops_the_start_before_or_while_loading(tmp_path: Path)
                                  lora=(f"x={tmp_path}",), kv_cache_memory="8MiB"))
     with pytest.raises(ModelFormatError, match="LoRA adapter x"):
         engine.start()
+
+
+# PEFT's module names as llama.cpp names the base's tensors
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def llama_cpp_permute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's q/k permutation of a Llama's rows (rotate-half pairs to interleaved ones)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_gguf_adapter(path: Path, peft_folder: Path, heads: int, kv_heads: int, alpha: float) -> Path:
+    """A PEFT adapter of a Llama as llama.cpp's convert_lora_to_gguf.py writes it: blk.N.attn_q.weight.lora_a and
+    .lora_b, B's q and k rows permuted as the base's are, the alpha in adapter.lora.alpha."""
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    for key, tensor in load_file(str(peft_folder / "adapter_model.safetensors")).items():
+        parts = key.split(".")  # base_model.model.model.layers.N.(self_attn|mlp).MODULE.lora_(A|B).weight
+        layer, module, half = parts[4], parts[6], parts[7]
+        if half == "lora_B" and module in ("q_proj", "k_proj"):
+            tensor = llama_cpp_permute(tensor, heads if module == "q_proj" else kv_heads)
+        writer.add_tensor(f"blk.{layer}.{GGUF_NAMES[module]}.weight.lora_{half[-1].lower()}", tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_adapter_as_llama_cpp_writes_it_is_its_peft_folders_twin(quantized: tuple[Path, list[Path]],
+                                                                       tmp_path: Path) -> None:
+    gguf, adapters = quantized
+    config = load_model(str(gguf), WeightPlan(dtype="float32", device="cpu")).config
+    twin = write_gguf_adapter(tmp_path / "a0.gguf", adapters[0], config.num_heads, config.num_kv_heads, alpha=16.0)
+    peft_adapter_, gguf_adapter = (load_adapter("a", path, config, max_rank=8) for path in (adapters[0], twin))
+    assert peft_adapter_.factors.keys() == gguf_adapter.factors.keys()
+    for key, (a, b) in peft_adapter_.factors.items():  # q and k's B back in Hugging Face's row order
+        assert torch.equal(a, gguf_adapter.factors[key][0]) and torch.equal(b, gguf_adapter.factors[key][1]), key
+    engine = engine_of(gguf, lora=(f"peft={adapters[0]}", f"gguf={twin}"), max_lora_rank=8)
+    try:
+        prompts = [[3, 11, 40, 7], [9, 9, 2]]
+        assert run(engine, [(p, "peft") for p in prompts]) == run(engine, [(p, "gguf") for p in prompts])
+    finally:
+        engine.stop()
+    with pytest.raises(ModelFormatError, match="is no LoRA adapter"):
+        load_adapter("model", gguf, config, max_rank=8)  # a model's GGUF, not an adapter's
+
+
+def test_a_gguf_adapter_of_another_architecture_is_refused(quantized: tuple[Path, list[Path]],
+                                                           tmp_path: Path) -> None:
+    gguf, adapters = quantized
+    config = load_model(str(gguf), WeightPlan(dtype="float32", device="cpu")).config
+    twin = write_gguf_adapter(tmp_path / "a0.gguf", adapters[0], config.num_heads, config.num_kv_heads, alpha=16.0)
+    qwen3 = dataclasses.replace(config, architecture="qwen3")
+    with pytest.raises(ModelFormatError, match="an adapter of a llama model; the model is qwen3"):
+        load_adapter("a", twin, qwen3, max_rank=8)

@@ -303,3 +303,33 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
             order = _unpermute(torch.arange(value.shape[0]), heads)
             value = value.rows(order) if isinstance(value, QuantizedWeight) else value[order]
         yield name, value
+
+
+_PROJECTION = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.weight")
+
+
+def lora_halves(path: Path, config: ModelConfig) -> tuple[float, dict[tuple[int, str], dict[str, torch.Tensor]]]:
+    """A LoRA adapter as llama.cpp's convert_lora_to_gguf.py writes it: its alpha (0 where it gives none), and each
+    projection's factors by (layer, Hugging Face module name): "A" [rank, in] and "B" [out, rank] in fp32, B's rows
+    in Hugging Face's order where llama.cpp permutes q and k."""
+    gguf = GGUFFile(path)
+    if gguf.metadata.get("general.type") != "adapter" or gguf.metadata.get("adapter.type") != "lora":
+        raise ModelFormatError(f"{path} is no LoRA adapter (a GGUF of general.type adapter, adapter.type lora)")
+    arch = "llama" if config.architecture == "mistral" else config.architecture
+    if gguf.architecture != arch:
+        raise ModelFormatError(f"{path} is an adapter of a {gguf.architecture} model; the model is {arch}")
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tensor in gguf.reader.tensors:
+        base, _, half = tensor.name.rpartition(".")
+        found = _PROJECTION.fullmatch(_hf_name(base, arch) or "")
+        if half not in ("lora_a", "lora_b") or found is None:
+            raise ModelFormatError(f"{path}: {tensor.name} is no LoRA factor of a projection (blk.N.attn_q.weight"
+                                   ".lora_a, ...)")
+        layer, module = int(found.group(1)), found.group(2)
+        value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        if half == "lora_b" and arch in _PERMUTED and module in ("q_proj", "k_proj") and value.dim() == 2:
+            heads = config.num_heads if module == "q_proj" else config.num_kv_heads
+            if value.shape[0] % (2 * heads) == 0:
+                value = value[_unpermute(torch.arange(value.shape[0]), heads)]
+        halves.setdefault((layer, module), {})["A" if half == "lora_a" else "B"] = value
+    return float(gguf.metadata.get("adapter.lora.alpha", 0.0)), halves

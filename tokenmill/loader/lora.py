@@ -1,11 +1,13 @@
-"""LoRA adapters as PEFT saves them (a folder of adapter_config.json and adapter_model.safetensors), read into each
-projection's low-rank factors with their scale, checked against the base model's shapes."""
+"""LoRA adapters as PEFT saves them (a folder of adapter_config.json and adapter_model.safetensors) or as llama.cpp
+converts them (a GGUF file), read into each projection's low-rank factors with their scale, checked against the
+base model's shapes."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.loader import gguf as gguf_loader
 from tokenmill.models.config import ModelConfig
 
 # The projections an adapter may target, by PEFT's module names, and where each sits in the decoder layer.
@@ -46,19 +49,32 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read a PEFT LoRA folder for the model of config; refuse (ModelFormatError, saying why) one whose rank passes
-    max_rank, whose targets the server cannot run, or whose shapes do not fit the model."""
-    folder = Path(path).expanduser()
+    """Read a LoRA adapter for the model of config: a PEFT folder, or a GGUF file as llama.cpp's
+    convert_lora_to_gguf.py writes one; refuse (ModelFormatError, saying why) one whose rank passes max_rank, whose
+    targets the server cannot run, or whose shapes do not fit the model."""
+    source = Path(path).expanduser()
+    if source.is_file() and source.suffix == ".gguf":
+        if config.num_experts:
+            raise ModelFormatError(f"LoRA adapter {name}: adapters on a mixture-of-experts model are not supported")
+        alpha, halves = gguf_loader.lora_halves(source, config)
+        # llama.cpp's scale: alpha over the rank, or 1 where the file gives no alpha
+        return _adapter(name, source, config, max_rank, halves, lambda module, rank: alpha / rank if alpha else 1.0)
+    settings, halves = _peft_halves(name, source, config)
+    return _adapter(name, source, config, max_rank, halves, lambda module, rank: _scale(settings, module, rank))
+
+
+def _peft_halves(name: str, folder: Path, config: ModelConfig
+                 ) -> tuple[dict, dict[tuple[int, str], dict[str, torch.Tensor]]]:
+    """A PEFT folder's settings and its factors by (layer, module): "A" and "B", in fp32."""
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
         raise ModelFormatError(f"LoRA adapter {name}: {folder} has no adapter_config.json and "
-                               "adapter_model.safetensors (a PEFT folder)")
+                               "adapter_model.safetensors (a PEFT folder), nor is it a GGUF adapter")
     try:
         settings = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"LoRA adapter {name}: {config_file}: {exc}") from exc
     _check_settings(name, settings, config)
-    shapes = projection_shapes(config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(weights_file), framework="pt") as tensors:
         for key in tensors.keys():  # noqa: SIM118 - safe_open is no mapping
@@ -66,13 +82,26 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             if found is None or found.group(3) not in TARGETS:
                 raise ModelFormatError(f"LoRA adapter {name}: {key} is no LoRA factor of a projection this server "
                                        f"can adapt ({', '.join(TARGETS)})")
-            layer, module = int(found.group(1)), found.group(3)
-            if not 0 <= layer < config.num_layers:
-                raise ModelFormatError(f"LoRA adapter {name}: {key}: the model has {config.num_layers} layers")
-            halves.setdefault((layer, module), {})[found.group(4)] = tensors.get_tensor(key).float()
+            halves.setdefault((int(found.group(1)), found.group(3)), {})[found.group(4)] = \
+                tensors.get_tensor(key).float()
+    if not halves:
+        raise ModelFormatError(f"LoRA adapter {name}: {weights_file} holds no LoRA factors")
+    return settings, halves
+
+
+def _adapter(name: str, path: Path, config: ModelConfig, max_rank: int,
+             halves: dict[tuple[int, str], dict[str, torch.Tensor]],
+             scale: Callable[[str, int], float]) -> LoRAAdapter:
+    """The adapter of these factors, each checked against the model's projection; scale(module path, rank): its
+    factor's scale."""
+    shapes = projection_shapes(config)
     factors = {}
     for (layer, module), pair in sorted(halves.items()):
         where = f"LoRA adapter {name}: layer {layer} {module}"
+        if module not in TARGETS:
+            raise ModelFormatError(f"{where}: not a projection this server can adapt ({', '.join(TARGETS)})")
+        if not 0 <= layer < config.num_layers:
+            raise ModelFormatError(f"{where}: the model has {config.num_layers} layers")
         if set(pair) != {"A", "B"}:
             raise ModelFormatError(f"{where}: lora_{'A' if 'A' not in pair else 'B'} is missing")
         a, b = pair["A"], pair["B"]
@@ -84,10 +113,10 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
                                    f"B [{fan_out}, rank])")
         if rank > max_rank:
             raise ModelFormatError(f"{where}: rank {rank} is more than --max-lora-rank {max_rank}")
-        factors[(layer, module)] = (a, b * _scale(settings, f"model.layers.{layer}.{TARGETS[module]}.{module}", rank))
+        factors[(layer, module)] = (a, b * scale(f"model.layers.{layer}.{TARGETS[module]}.{module}", rank))
     if not factors:
-        raise ModelFormatError(f"LoRA adapter {name}: {weights_file} holds no LoRA factors")
-    return LoRAAdapter(name, folder, max(a.shape[0] for a, _ in factors.values()), factors)
+        raise ModelFormatError(f"LoRA adapter {name}: {path} holds no LoRA factors")
+    return LoRAAdapter(name, path, max(a.shape[0] for a, _ in factors.values()), factors)
 
 
 def _check_settings(name: str, settings: dict, config: ModelConfig) -> None:
