@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from helpers import ServerThread, openai_client
+from helpers import ServerThread, openai_client, write_tiny_gguf
 
-from tokenmill.config import ServerConfig
+from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.hosting.pool import ModelPool
+from tokenmill.hosting.specs import ModelSpec
 from tokenmill.loader import LoadedModel
 
 if TYPE_CHECKING:
@@ -218,3 +220,23 @@ def test_pages_ask_for_the_api_key(browser: Browser, smollm_served: LoadedModel)
         page.wait_for_selector("#model option", state="attached")
         assert page.input_value("#model") == "smollm2-135m"
         context.close()
+
+
+def test_the_dashboard_lists_the_models_and_shows_the_one_clicked(page: Page, errors: list[str],
+                                                                  tmp_path: Path) -> None:
+    specs = [ModelSpec(name, EngineConfig(model=str(write_tiny_gguf(tmp_path / f"{name}.gguf", seed=seed)),
+                                          dtype="float32", threads=1, kv_cache_memory="4MiB"))
+             for seed, name in enumerate(("first", "second"))]
+    one = 6 * 2**20  # room for one of them: the second loads when asked for, in place of the first
+    with ServerThread(ModelPool(specs, max_memory=one)) as srv:
+        page.goto(srv.root_url + "/dashboard")
+        wait_for(lambda: len(page.query_selector_all("#models tr")) == 2)
+        states = lambda: [row.inner_text().split("\t")[:2] for row in page.query_selector_all("#models tr")]  # noqa: E731
+        assert states() == [["first", "loaded"], ["second", "unloaded"]]
+        assert page.inner_text("#model").startswith("first · context")
+        page.click("#models tr:nth-child(2)")
+        wait_for(lambda: page.inner_text("#model").startswith("second (not loaded)"))
+        openai_client(srv).completions.create(model="second", prompt="hi", max_tokens=2)
+        wait_for(lambda: states() == [["first", "unloaded"], ["second", "loaded"]])
+        wait_for(lambda: page.inner_text("#model").startswith("second · context"))
+    assert errors == []
