@@ -15,19 +15,23 @@ from tokenmill.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] * 0.85)
-    # On CPU the KV pool shares RAM with everything else: take a tenth of what is available (MemAvailable counts
-    # the page cache the kernel would give back; the sysconf fallback, for systems without /proc, does not).
+def available_memory() -> int:
+    """The RAM available now: MemAvailable, which counts the page cache the kernel would give back (the sysconf
+    fallback, for systems without /proc, does not)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as info:
             for line in info:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // 10
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 10
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * 0.85)
+    return available_memory() // 10  # on CPU the KV pool shares RAM with everything else
 
 
 def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max_model_len: int,

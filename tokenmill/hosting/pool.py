@@ -16,8 +16,8 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from tokenmill.cache.sizing import available_memory
 from tokenmill.config import EngineConfig, parse_size
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import (
@@ -32,7 +32,7 @@ from tokenmill.errors import (
 )
 from tokenmill.hosting.specs import ModelSpec
 from tokenmill.loader import release_freed_memory
-from tokenmill.loader.sources import ALIASES, cache_dir
+from tokenmill.loader.sources import local_path
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +52,13 @@ def resident_bytes() -> int:
 def machine_memory() -> int:
     """What the machine has for the models: nine tenths of the memory available now (the rest: the process's own
     and each load's transient peak, which footprints do not count)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as info:
-            available = next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available * 9 // 10
+    return available_memory() * 9 // 10
 
 
 def estimate_bytes(config: EngineConfig) -> int:
     """Memory a model should take before it has loaded once (after, its measured footprint is used): its weights'
     files (twice a checkpoint's size in fp32, which widens 16-bit values) and its KV memory."""
-    path = Path(config.model).expanduser()
-    if not path.exists() and config.model in ALIASES:
-        path = cache_dir() / ALIASES[config.model].filename
+    path = local_path(config.model)
     if path.is_file():
         weights = path.stat().st_size
     elif path.is_dir():
@@ -273,7 +266,7 @@ class ModelPool:
     # --- loading and unloading --------------------------------------------------------------------------
 
     def used_bytes(self, but: HostedModel | None = None) -> int:
-        return sum(h.footprint or self.expected_bytes(h) for h in self.models
+        return sum(self.expected_bytes(h) for h in self.models
                    if h is not but and h.state in ("loaded", "loading", "unloading"))
 
     def expected_bytes(self, hosted: HostedModel) -> int:
@@ -317,8 +310,7 @@ class ModelPool:
             if engine.alive:
                 engine.stop()
             del engine
-            gc.collect()
-            release_freed_memory()
+            _collect()
             raise
         hosted.load_s = round(time.perf_counter() - started, 2)
         hosted.footprint = engine.memory_bytes()
@@ -340,7 +332,7 @@ class ModelPool:
             if not others and not any(h.state in ("loading", "unloading") for h in self.models if h is not hosted):
                 raise EngineError(f"the model `{hosted.name}` needs about {need / 2**20:.0f} MiB, more than the "
                                   f"memory budget of {self.max_memory / 2**20:.0f} MiB (--max-memory)")
-            idle = sorted((h for h in others if not h.busy and h.task is None), key=lambda h: h.last_used)
+            idle = self._idle_but(hosted)
             if idle:
                 await asyncio.shield(self._begin_unload(idle[0], f"to make room for {hosted.name}"))
                 continue
@@ -353,13 +345,17 @@ class ModelPool:
     async def _trim_to_budget(self, hosted: HostedModel) -> None:
         """After a load that took more than expected: unload idle others until the budget holds again."""
         while self.used_bytes() > self.max_memory:
-            idle = sorted((h for h in self.loaded() if h is not hosted and not h.busy and h.task is None),
-                          key=lambda h: h.last_used)
+            idle = self._idle_but(hosted)
             if not idle:
                 log.warning("the loaded models hold %.0f MiB, past the budget of %.0f MiB, and none is idle",
                             self.used_bytes() / 2**20, self.max_memory / 2**20)
                 return
             await asyncio.shield(self._begin_unload(idle[0], "the last load took more memory than expected"))
+
+    def _idle_but(self, hosted: HostedModel) -> list[HostedModel]:
+        """The loaded models other than `hosted` that may unload now, least recently used first."""
+        return sorted((h for h in self.loaded() if h is not hosted and not h.busy and h.task is None),
+                      key=lambda h: h.last_used)
 
     def _begin_unload(self, hosted: HostedModel, why: str) -> asyncio.Future[None]:
         """Unload an idle model: from now on it is not loaded (a request for it waits for this, then loads it)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenmill.config import EngineConfig, ServerConfig, parse_keep_alive
 from tokenmill.errors import ConfigError
-from tokenmill.loader.sources import ALIASES, cache_dir, missing_source
+from tokenmill.loader.sources import ALIASES, local_path, missing_source
 
 # A models file's keys beside EngineConfig's fields (which it may set per model, `model` aside: that is `source`).
 _OWN_KEYS = {"name": str, "source": str, "aliases": list, "keep_alive": (str, int, float),
@@ -62,7 +62,7 @@ def specs_from_args(models: list[str], engine: EngineConfig, server: ServerConfi
 
 def path_names(model: str) -> set[str]:
     """The path a model's file or folder has once resolved, and its name (an alias resolves into the cache)."""
-    path = cache_dir() / ALIASES[model].filename if model in ALIASES else Path(model).expanduser()
+    path = local_path(model)
     return {str(path), path.name} if path.exists() or model in ALIASES else set()
 
 

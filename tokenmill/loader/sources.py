@@ -111,6 +111,13 @@ def resolve(model: str) -> Path:
     raise ModelFormatError(f"model {model!r} is not a file, a folder, an alias ({', '.join(ALIASES)}) or a hub id")
 
 
+def local_path(model: str) -> Path:
+    """Where MODEL lies on this machine, fetching nothing: the file or folder it names, else an alias's place in the
+    cache (there or not yet)."""
+    path = Path(model).expanduser()
+    return cache_dir() / ALIASES[model].filename if not path.exists() and model in ALIASES else path
+
+
 def missing_source(model: str) -> str | None:
     """Why MODEL cannot be loaded, said before loading it (a models file's mistake at start), or None: a path that
     does not exist (a .gguf name, or one that starts like a path), or nothing a source can be."""
