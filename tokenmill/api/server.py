@@ -137,8 +137,8 @@ def build_server(models: Engine | ModelPool, config: ServerConfig, model_id: str
     sockets of listen(); store: the Responses store the caller opened (None: the one config names);
     graceful_timeout: uvicorn's own bound on closing connections once the requests are done."""
     state = ServingState()
-    pool = models if isinstance(models, ModelPool) else ModelPool.of_engine(models, model_id or "", aliases or set())
-    app = create_app(pool, config=config, state=state, store=store)
+    app = create_app(models, model_id, aliases, config, state, store)
+    pool = app.state.hosting.pool
     return TokenmillServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                           timeout_graceful_shutdown=graceful_timeout),
                            pool, state, config.shutdown_timeout)

@@ -271,10 +271,7 @@ class Engine:
         if lora is not None:
             adapter = None if self.lora is None else self.lora.adapters.get(lora)
             if adapter is None:  # unloaded between the API's look and now
-                with self._unfinished_lock:
-                    self._unfinished -= 1
-                sink(SequenceOutput(seq_id, "", [], [], "error", len(prompt_ids), 0,
-                                    error=f"the LoRA adapter {lora} is not loaded"))
+                self._refuse(seq_id, len(prompt_ids), sink, f"the LoRA adapter {lora} is not loaded")
                 return
         try:
             seq = Sequence(
@@ -288,19 +285,22 @@ class Engine:
         except Exception:
             # A request the engine cannot take (one the API should have refused) fails alone, not the engine loop.
             log.error("sequence %d could not be added:\n%s", seq_id, traceback.format_exc())
-            with self._unfinished_lock:
-                self._unfinished -= 1
-            try:
-                sink(SequenceOutput(seq_id, "", [], [], "error", len(prompt_ids), 0,
-                                    error="internal error while adding the request"))
-            except Exception:
-                log.error("sequence %d could not be given its error:\n%s", seq_id, traceback.format_exc())
+            self._refuse(seq_id, len(prompt_ids), sink, "internal error while adding the request")
             return
         if adapter is not None and self.lora is not None:
             seq.lora_slot, seq.cache_salt = adapter.slot, adapter.salt
             self.lora.users[adapter.slot] += 1
         self._seqs[seq_id] = seq
         self.scheduler.add(seq)
+
+    def _refuse(self, seq_id: int, prompt_tokens: int, sink: Sink, error: str) -> None:
+        """End a sequence that was never added: it is no longer unfinished, and its one output is the error."""
+        with self._unfinished_lock:
+            self._unfinished -= 1
+        try:
+            sink(SequenceOutput(seq_id, "", [], [], "error", prompt_tokens, 0, error=error))
+        except Exception:
+            log.error("sequence %d could not be given its error:\n%s", seq_id, traceback.format_exc())
 
     def _step(self) -> None:
         self.speculation.propose(self.scheduler.running, self.scheduler.waiting)

@@ -1,7 +1,8 @@
 """LoRA adapters beside the base model's projections, the S-LoRA/Punica way: every loaded adapter's factors sit in
-slots of one stacked tensor per projection, and a step whose rows use different adapters (or none) runs each
-projection's low-rank part as two matmuls over all slots, each row's product masked to its own slot's, never a
-merge into the base weights. Ranks below the slots' are zero-padded, so a padded rank adds exactly zero."""
+slots of one stacked tensor per projection, and a step whose rows use different adapters (or none) adds each row's
+own adapter's low-rank product, never a merge into the base weights: one op a projection where the C++ kernels run
+(kernels/lora.cpp), else two matmuls over all slots with each row's product masked to its own slot's. Ranks below
+the slots' are zero-padded, so a padded rank adds exactly zero."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class LoRASlots:
         self.slots, self.rank = slots, rank
         self.dtype, self.device = dtype, device
         self.active = False  # whether the step has a row with an adapter
-        self.kernel = False  # whether the step's products run as kernels/lora.cpp's op (else two matmuls and a mask)
+        # whether the products run as kernels/lora.cpp's op (else two matmuls and a mask)
+        self.kernel = backend.cpu_kernels(device) and dtype in _KERNEL_DTYPES
         self.row_slots = torch.empty(0, dtype=torch.long)  # the step's: each row's slot, -1 for the base model
         self._onehot = torch.empty(0)
         self._masks: dict[int, torch.Tensor] = {}
@@ -37,7 +39,6 @@ class LoRASlots:
         self.active = any(slot >= 0 for slot in row_slots)
         if self.active:
             self.row_slots = torch.tensor(row_slots, device=self.device)
-            self.kernel = backend.cpu_kernels(self.device) and self.dtype in _KERNEL_DTYPES
             if not self.kernel:
                 self._onehot = (self.row_slots[:, None] == torch.arange(self.slots, device=self.device)).to(self.dtype)
 
