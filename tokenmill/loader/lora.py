@@ -52,19 +52,18 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     """Read a LoRA adapter for the model of config: a PEFT folder, or a GGUF file as llama.cpp's
     convert_lora_to_gguf.py writes one; refuse (ModelFormatError, saying why) one whose rank passes max_rank, whose
     targets the server cannot run, or whose shapes do not fit the model."""
+    if config.num_experts:
+        raise ModelFormatError(f"LoRA adapter {name}: adapters on a mixture-of-experts model are not supported")
     source = Path(path).expanduser()
     if source.is_file() and source.suffix == ".gguf":
-        if config.num_experts:
-            raise ModelFormatError(f"LoRA adapter {name}: adapters on a mixture-of-experts model are not supported")
         alpha, halves = gguf_loader.lora_halves(source, config)
         # llama.cpp's scale: alpha over the rank, or 1 where the file gives no alpha
         return _adapter(name, source, config, max_rank, halves, lambda module, rank: alpha / rank if alpha else 1.0)
-    settings, halves = _peft_halves(name, source, config)
+    settings, halves = _peft_halves(name, source)
     return _adapter(name, source, config, max_rank, halves, lambda module, rank: _scale(settings, module, rank))
 
 
-def _peft_halves(name: str, folder: Path, config: ModelConfig
-                 ) -> tuple[dict, dict[tuple[int, str], dict[str, torch.Tensor]]]:
+def _peft_halves(name: str, folder: Path) -> tuple[dict, dict[tuple[int, str], dict[str, torch.Tensor]]]:
     """A PEFT folder's settings and its factors by (layer, module): "A" and "B", in fp32."""
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
@@ -74,7 +73,7 @@ def _peft_halves(name: str, folder: Path, config: ModelConfig
         settings = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"LoRA adapter {name}: {config_file}: {exc}") from exc
-    _check_settings(name, settings, config)
+    _check_settings(name, settings)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(weights_file), framework="pt") as tensors:
         for key in tensors.keys():  # noqa: SIM118 - safe_open is no mapping
@@ -119,7 +118,7 @@ def _adapter(name: str, path: Path, config: ModelConfig, max_rank: int,
     return LoRAAdapter(name, path, max(a.shape[0] for a, _ in factors.values()), factors)
 
 
-def _check_settings(name: str, settings: dict, config: ModelConfig) -> None:
+def _check_settings(name: str, settings: dict) -> None:
     if str(settings.get("peft_type", "LORA")).upper() != "LORA":
         raise ModelFormatError(f"LoRA adapter {name}: peft_type {settings.get('peft_type')} is not LORA")
     for key, what in _REFUSED.items():
@@ -130,8 +129,6 @@ def _check_settings(name: str, settings: dict, config: ModelConfig) -> None:
     if settings.get("modules_to_save"):
         raise ModelFormatError(f"LoRA adapter {name}: modules_to_save {settings['modules_to_save']} (whole modules "
                                "trained beside the adapter) are not supported")
-    if config.num_experts:
-        raise ModelFormatError(f"LoRA adapter {name}: adapters on a mixture-of-experts model are not supported")
 
 
 def _scale(settings: dict, module: str, rank: int) -> float:
