@@ -129,6 +129,28 @@ def test_the_kernel_adds_the_bias_and_keeps_bf16() -> None:
 
 
 @needs_kernels
+def test_float_out_gives_bf16_rows_their_sums_unrounded() -> None:
+    """The output head's logits: bf16 rows, fp32 sums as they are (the fp32 rows' result), where the plain call
+    rounds them to bf16."""
+    plain = QuantizedLinear(quantized_weight(random_blocks(QType.Q8_0, 48, 256), QType.Q8_0), None)
+    x = torch.randn(5, 256).bfloat16()
+    logits = plain(x, float_out=True)
+    assert logits.dtype == torch.float32 and torch.equal(logits, plain(x.float()))
+    assert not torch.equal(logits, logits.bfloat16().float())
+    assert torch.equal(plain(x), logits.bfloat16())
+
+
+@serves_quantized
+def test_a_bf16_models_quantized_head_gives_fp32_logits_unrounded(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype=QType.Q8_0, hidden=256)
+    model = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu")).model
+    assert isinstance(model.lm_head, QuantizedLinear)
+    hidden = torch.randn(3, 256).bfloat16()
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and torch.equal(logits, model.lm_head(hidden.float()))
+
+
+@needs_kernels
 def test_steps_that_dequantize_the_matrix_add_the_bias_too() -> None:
     """A Linear with a bias (Qwen2's q, k and v) in steps of dequantize_from_rows rows or more, which multiply by the
     dequantized matrix rather than run the kernel: the bias is added there as on the kernel's path."""

@@ -474,11 +474,14 @@ void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, floa
 }
 
 // w = scale * (q - zero) + shift per `sub` weights, in the interleaved layout above; out_features: the matrix's rows;
-// bf16_rows: fp32 rows on bf16 weights multiply as their bf16 rounding (tokenmill::quantized_matmul).
+// bf16_rows: fp32 rows on bf16 weights multiply as their bf16 rounding (tokenmill::quantized_matmul); float_out:
+// the fp32 sums whatever x's dtype (the output head: its logits are sampled in fp32, and a rounding to bf16 and back
+// was two passes over rows x vocabulary floats).
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero, int64_t out_features,
-                            int64_t tiles_from_rows, bool bf16_rows) {
+                            int64_t tiles_from_rows, bool bf16_rows, bool float_out) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  const at::ScalarType out_type = float_out ? at::kFloat : x.scalar_type();
   const QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, out_features);
   TORCH_CHECK(x.size(1) == w.in, "x has ", x.size(1), " features, the weight ", w.in);
   if (x.scalar_type() == at::kBFloat16 && tokenmill::takes_tiles(x.size(0), tiles_from_rows)) {
@@ -486,7 +489,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     const at::Tensor xb = x.contiguous();
     at::Tensor out = at::empty({x.size(0), w.out}, x.options());
     tokenmill::tile_matmul(xb.data_ptr<at::BFloat16>(), x.size(0), w, out.data_ptr<at::BFloat16>());
-    return out;
+    return out.to(out_type);
   }
 #if defined(TOKENMILL_DPBF16)
   if (x.scalar_type() == at::kBFloat16 && w.bits == 16) {  // bf16 rows on bf16 weights: vdpbf16ps, as they are
@@ -494,13 +497,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     const std::vector<uint32_t> paired = paired_rows(xb.data_ptr<at::BFloat16>(), x.size(0), w.in);
     at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
     bf16_dot_matmul(paired.data(), x.size(0), w, out.data_ptr<float>());
-    return out.to(x.scalar_type());
+    return out.to(out_type);
   }
 #endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
   tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>(), tiles_from_rows, bf16_rows);
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out.to(out_type);
 }
 
 // The dense [out, in] matrix of dtype (fp32, bf16 or fp16): w = scale * (q - zero) + shift, each value computed
@@ -648,7 +651,7 @@ std::vector<std::string> built_with() {
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, "
-        "int out_features, int tiles_from_rows=0, bool bf16_rows=False) -> Tensor");
+        "int out_features, int tiles_from_rows=0, bool bf16_rows=False, bool float_out=False) -> Tensor");
   m.def("tiles_available() -> bool", &tokenmill::tiles_available);
   m.def("built_with() -> str[]", &built_with);
   m.def("dequantize(Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, int out_features, "

@@ -199,15 +199,16 @@ class QuantizedLinear(nn.Module):
         w = self.weight
         return torch.ops.tokenmill.dequantize(w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in] -> [rows, out]."""
+    def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """x: [rows, in] -> [rows, out], in x's dtype, or fp32 where float_out asks (the kernel's sums as they are:
+        the output head's logits)."""
         if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
             return self.dense(x)
         w = self.weight
         if self.dequantize_from_rows and x.shape[0] >= self.dequantize_from_rows:
             return F.linear(x, self.dense_weight(x.dtype), self.bias)
         out = torch.ops.tokenmill.quantized_linear(x, w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features,
-                                                   self.tiles_from_rows)
+                                                   self.tiles_from_rows, False, float_out)
         return out if self.bias is None else out + self.bias
 
 

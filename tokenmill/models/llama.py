@@ -307,7 +307,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "lm_head"):
+        if isinstance(getattr(self, "lm_head", None), QuantizedLinear):
+            logits = self.lm_head(hidden, float_out=True).float()
+        elif hasattr(self, "lm_head"):
             logits = self.lm_head(hidden).float()
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()  # tied to the embeddings
