@@ -1,17 +1,32 @@
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tokenmill import backend
+from tokenmill.engine import sampler as sampler_module
 from tokenmill.engine.request import Sequence
 from tokenmill.engine.sampler import Sampler, seeded_generator
 from tokenmill.sampling import SamplingParams
 
 VOCAB = 50
 EOS = 7
+KERNELS = backend.cpu_kernels(torch.device("cpu"))
+
+
+@pytest.fixture(autouse=True, params=["kernels", "torch"])
+def sampling_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both ways the sampler picks: the C++ kernels (kernels/sample.cpp) where they run, and the torch
+    ops that a GPU and a machine without them take."""
+    if request.param == "kernels" and not KERNELS:
+        pytest.skip("the C++ kernels are unavailable here")
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_module.backend, "cpu_kernels", lambda device: False)
+    return request.param
 
 
 def seq(seq_id: int = 0, output: list[int] | None = None, prompt: list[int] | None = None, **params) -> Sequence:
@@ -328,3 +343,72 @@ def test_a_seeds_64_bits_all_count_and_small_seeds_keep_their_streams() -> None:
     for seed in (0, 7, 2**32 - 1):
         assert draws(seed) == torch.rand(4, generator=torch.Generator().manual_seed(seed)).tolist()
     assert draws(-3) == draws(2**64 - 3)
+
+
+def reference_draw(x: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float) -> tuple[int, bool]:
+    """One row's draw in float64 by the sampler's definition, the vocabulary sorted whole: the top k (larger logit,
+    then smaller token, first), then the smallest head whose mass reaches top_p, then the tokens within min_p of the
+    best, then the first token whose cumulative mass in vocabulary order passes u times the total. Also whether the
+    draw is clear of rounding: u and each cut at least 1e-6 from a boundary."""
+    x = x.double()
+    vocab, m = x.numel(), x.max().item()
+    order = sorted(range(vocab), key=lambda j: (-x[j].item(), j))
+    kept = order[:top_k] if 0 < top_k < vocab else order
+    clear = True
+    if top_p < 1:
+        p = torch.exp(x[kept] - m)
+        p /= p.sum()
+        before = torch.cumsum(p, 0) - p
+        n = next((i for i in range(1, len(kept)) if before[i] >= top_p), len(kept))
+        clear &= bool((before - top_p).abs().min() > 1e-6)
+        kept = kept[:n]
+    if min_p > 0:
+        gaps = x[kept] - m - math.log(min_p)
+        clear &= bool(gaps.abs().min() > 1e-6)
+        kept = [j for j, gap in zip(kept, gaps.tolist(), strict=True) if gap >= 0]
+    weights = torch.zeros(vocab, dtype=torch.float64)
+    weights[kept] = torch.exp(x[kept] - m)
+    cdf = torch.cumsum(weights, 0) / weights.sum()
+    token = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).item())
+    clear &= bool((cdf[kept] - u).abs().min() > 1e-6)
+    return token, clear
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [
+    (0, 1.0, 0.0), (5, 1.0, 0.0), (1, 1.0, 0.0), (0, 0.9, 0.0), (0, 0.3, 0.0), (40, 0.8, 0.0), (0, 1.0, 0.05),
+    (0, 0.95, 0.1), (2000, 0.5, 0.0), (3, 0.99, 0.2),
+])
+def test_draws_are_the_definitions_draws(top_k: int, top_p: float, min_p: float) -> None:
+    """64 rows of 1,000 logits at temperature 0.7, each with its own seed, drawn in one batch: every row's token is
+    the float64 definition's (reference_draw), where the draw and the cuts are clear of rounding."""
+    rows, vocab, temperature = 64, 1000, 0.7
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(top_k + int(100 * top_p))) * 2.5
+    batch = [seq(i, seed=1000 + i, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+             for i in range(rows)]
+    got, _ = new_sampler()(x.clone(), batch)
+    scaled = x / torch.tensor([temperature])[:, None]
+    compared = 0
+    for i in range(rows):
+        u = torch.rand(1, generator=torch.Generator().manual_seed(1000 + i)).item()
+        want, clear = reference_draw(scaled[i], top_k, top_p, min_p, u)
+        if clear:
+            compared += 1
+            assert got[i] == want, f"row {i}"
+    assert compared >= rows * 3 // 4
+
+
+@pytest.mark.skipif(not KERNELS, reason="the C++ kernels are unavailable here")
+def test_the_greedy_kernel_picks_as_argmax_does() -> None:
+    """Ties go to the first index, a NaN wins (the first of them), a row of -inf picks 0; one long row is cut into
+    parts for the threads, which must merge in order."""
+    x = torch.randn(6, 100_003, generator=torch.Generator().manual_seed(0))
+    x[0, [10, 70_000]] = 9.0  # a tie, in two parts of a row cut for two threads
+    x[1, [5_000, 90_000]] = float("nan")
+    x[2] = float("-inf")
+    x[3, -1] = 9.0  # the very last token
+    x[4] = 0.0  # all tied
+    x[5, [99_000, 3]] = float("inf")
+    for rows in (x, x[:1], x[1:2], x[3:4]):
+        assert torch.equal(torch.ops.tokenmill.argmax_rows(rows), rows.argmax(dim=-1))
+    wide = torch.randn(32, 5_000, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.ops.tokenmill.argmax_rows(wide), wide.argmax(dim=-1))

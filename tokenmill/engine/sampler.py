@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 
+from tokenmill import backend
 from tokenmill.engine.request import Sequence, TokenLogprob
 from tokenmill.structured.backend import GrammarCompiler
 
@@ -141,12 +142,20 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         dev = logits.device
-        argmax = logits.argmax(dim=-1)
+        # The kernel (kernels/sample.cpp) picks as argmax does, in one pass shared among the threads.
+        argmax = torch.ops.tokenmill.argmax_rows(logits) if backend.cpu_kernels(dev) else logits.argmax(dim=-1)
         if all(s.params.temperature == 0 for s in seqs):
             return argmax
         temperature = torch.tensor([s.params.temperature for s in seqs], device=dev)
         greedy = temperature == 0
         logits.div_(torch.where(greedy, 1.0, temperature)[:, None])
+        uniform = self._uniforms(seqs, dev)
+        if backend.cpu_kernels(dev):  # the same draw without sorting the vocabulary (kernels/sample.cpp)
+            sampled = torch.ops.tokenmill.sample_rows(
+                logits, torch.tensor([s.params.top_k for s in seqs], device=dev),
+                torch.tensor([s.params.top_p for s in seqs], device=dev),
+                torch.tensor([s.params.min_p for s in seqs], device=dev), uniform)
+            return torch.where(greedy, argmax, sampled)
         top_k = [s.params.top_k for s in seqs]
         vocab = logits.shape[-1]
         if any(k > 0 for k in top_k) or any(s.params.top_p < 1 for s in seqs):
@@ -165,7 +174,6 @@ class Sampler:
             min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0)
         # Inverse-CDF sampling: one uniform number per row; far cheaper than vocabulary-sized noise.
-        uniform = self._uniforms(seqs, dev)
         cdf = probs.cumsum_(dim=-1)
         # The first token whose cumulative mass exceeds the draw (a draw of exactly 0 must not land on a leading
         # token of probability 0); the clamp catches a draw that rounding lifted to the total.

@@ -10,3 +10,4 @@
 #include "layer.cpp"
 #include "tiles.cpp"
 #include "lora.cpp"
+#include "sample.cpp"
