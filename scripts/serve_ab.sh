@@ -7,7 +7,8 @@
 #     bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
 # The server `before` is tokenmill from another checkout (BEFORE=its folder; run with PYTHON, default python), for
 # a before/after of a change in one sitting.
-# Each server: 8 warm-up requests, then baseline (4 x 128 tokens), burst 8, burst 32 and a prefill probe
+# Each server: 8 warm-up requests, then baseline (4 x 128 tokens), burst 8, burst 32, burst 32 sampled at
+# temperature 0.7 and top_p 0.9 (SAMPLED=0: not), and a prefill probe
 # (4 prompts of 400 words, 2 tokens out), and with LONG=N (default 2531; 0: none) a long-prompt probe (2 prompts of
 # N tokens, 128 tokens out, one at a time: the first token's time and the decode after it); JSON reports in OUT as
 # SERVER-rROUND-WORKLOAD.json, memory in OUT/rss.txt. `tokenmill bench --compare A.json B.json` compares two of them,
@@ -54,6 +55,10 @@ for r in $(seq "$ROUNDS"); do
     $B --workload burst --num-requests 32 --concurrency 32 --seed $((30 + r)) --json "$OUT/$s-r$r-burst32.json" \
       > /dev/null
     echo "round $r $s after burst32: $(rss "$pid")" >> "$OUT/rss.txt"
+    if [ "${SAMPLED:-1}" = 1 ]; then  # the same burst sampled as chat clients do: temperature 0.7, top_p 0.9
+      $B --workload burst --num-requests 32 --concurrency 32 --temperature 0.7 --top-p 0.9 --seed $((60 + r)) \
+        --json "$OUT/$s-r$r-sampled32.json" > /dev/null
+    fi
     $TM bench --url http://127.0.0.1:$PORT/v1 --workload baseline --num-requests 4 --prompt-len 400 --output-len 2 \
       --ignore-eos --seed $((40 + r)) --json "$OUT/$s-r$r-prefill.json" > /dev/null
     if [ "$LONG" -gt 0 ]; then

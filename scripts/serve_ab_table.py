@@ -2,9 +2,10 @@
 
     python scripts/serve_ab_table.py OUT [SERVER ...]
 
-Figures: output tok/s of 1 stream (baseline), 8 and 32 (burst8, burst32); prompt tok/s of the prefill probe (its
-prompt tokens over its duration, 2 tokens out); the long probe's first token (median TTFT, s) and the decode after
-it (median inter-token latency, ms). Each cell: the median over the rounds, and the range where there are several.
+Figures: output tok/s of 1 stream (baseline), 8 and 32 (burst8, burst32), 32 sampled (sampled32); prompt tok/s of
+the prefill probe (its prompt tokens over its duration, 2 tokens out); the long probe's first token (median TTFT, s)
+and the decode after it (median inter-token latency, ms). Each cell: the median over the rounds, and the range where
+there are several.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ FIGURES = {
     "1 stream, tok/s": ("baseline", lambda s: s["output_throughput"]),
     "8 streams, tok/s": ("burst8", lambda s: s["output_throughput"]),
     "32 streams, tok/s": ("burst32", lambda s: s["output_throughput"]),
+    "32 streams sampled (T 0.7, top_p 0.9), tok/s": ("sampled32", lambda s: s["output_throughput"]),
     "prefill, prompt tok/s": ("prefill", lambda s: s["prompt_tokens"] / s["duration_s"]),
     "long prompt: first token, s": ("long", lambda s: s["ttft_ms"]["p50"] / 1e3),
     "long prompt: decode, ms/token (p50)": ("long", lambda s: s["itl_ms"]["p50"]),

@@ -103,6 +103,7 @@ def _add_bench_flags(bench: argparse.ArgumentParser) -> None:
                        "else all)")
     bench.add_argument("--ignore-eos", action="store_true", help="send ignore_eos, so outputs run to --output-len")
     bench.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
+    bench.add_argument("--top-p", type=float, default=1.0, help="sent where below 1 (default: %(default)s)")
     bench.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed requests first (default: %(default)s)")
     _add_dataclass_flags(bench, WorkloadParams, skip={"name"})

@@ -41,6 +41,7 @@ class ClientConfig:
     concurrency: int | None = None  # None: 1 for baseline, every conversation at once otherwise
     ignore_eos: bool = False
     temperature: float = 0.0
+    top_p: float = 1.0  # sent where below 1
     timeout: float = 600.0  # seconds per request, the whole stream included
     warmup: int = 1  # untimed requests sent first, so no server is timed on its first-request setup
     api_key: str | None = None  # sent as a Bearer token
@@ -115,6 +116,8 @@ def _body(cfg: ClientConfig, model: str | None, messages: list[dict[str, str]], 
           seed: int) -> dict[str, Any]:
     body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
                             "temperature": cfg.temperature, "seed": seed}
+    if cfg.top_p < 1:
+        body["top_p"] = cfg.top_p
     if model is not None:
         body["model"] = model
     if cfg.ignore_eos:
@@ -195,7 +198,7 @@ async def run(cfg: ClientConfig, params: WorkloadParams, progress: bool = True) 
             duration = time.perf_counter() - t0
     config = {"url": cfg.base_url, "model": model, "endpoint": cfg.endpoint, "workload": params.name,
               "params": dataclasses.asdict(params), "request_rate": params.rate, "concurrency": concurrency,
-              "ignore_eos": cfg.ignore_eos, "temperature": cfg.temperature, "warmup": cfg.warmup,
+              "ignore_eos": cfg.ignore_eos, "temperature": cfg.temperature, "top_p": cfg.top_p, "warmup": cfg.warmup,
               "timeout": cfg.timeout, "seed": params.seed, "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "tokenmill_version": __version__}
     return report.build(config, sorted(records, key=lambda r: r.start), duration)
@@ -215,7 +218,7 @@ def main(args: argparse.Namespace) -> int:
     params = WorkloadParams(name=args.workload, **{f.name: getattr(args, f.name)
                                                    for f in dataclasses.fields(WorkloadParams) if f.name != "name"})
     cfg = ClientConfig(url=args.url, model=args.model, endpoint=args.endpoint, concurrency=args.concurrency,
-                       ignore_eos=args.ignore_eos, temperature=args.temperature, timeout=args.timeout,
+                       ignore_eos=args.ignore_eos, temperature=args.temperature, top_p=args.top_p, timeout=args.timeout,
                        warmup=args.warmup, api_key=args.api_key)
     result = asyncio.run(run(cfg, params))
     print(report.table(result))
