@@ -67,7 +67,8 @@ def test_workloads_are_seeded_and_shaped() -> None:
 def test_burst_figures_json_plot_and_compare(server: ServerThread, tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
     path, png = tmp_path / "burst.json", tmp_path / "burst.png"
-    assert bench("--url", server.base_url, "--workload", "burst", *SMALL, "--json", str(path), "--plot", str(png)) == 0
+    assert bench("--url", server.base_url, "--workload", "burst", *SMALL, "--temperature", "0.7", "--top-p", "0.9",
+                 "--json", str(path), "--plot", str(png)) == 0
     out = capsys.readouterr().out
     assert "model tiny" in out and "TTFT" in out and "6 completed, 0 failed" in out
 
@@ -83,6 +84,7 @@ def test_burst_figures_json_plot_and_compare(server: ServerThread, tmp_path: Pat
         assert r["error"] is None and r["completion_tokens"] == 8 and r["usage_from_server"]
         assert 0 < r["ttft"] <= r["e2e"] <= s["duration_s"] and r["tpot"] > 0
     assert result["config"]["model"] == "tiny" and result["config"]["concurrency"] == 6
+    assert result["config"]["top_p"] == 0.9
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
     assert bench("--compare", str(path), str(path)) == 0
