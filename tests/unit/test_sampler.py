@@ -412,3 +412,20 @@ def test_the_greedy_kernel_picks_as_argmax_does() -> None:
         assert torch.equal(torch.ops.tokenmill.argmax_rows(rows), rows.argmax(dim=-1))
     wide = torch.randn(32, 5_000, generator=torch.Generator().manual_seed(1))
     assert torch.equal(torch.ops.tokenmill.argmax_rows(wide), wide.argmax(dim=-1))
+
+
+def test_the_edges_of_each_parameter_draw_the_best_token_or_any() -> None:
+    """What the API lets through at its limits: top_p just above 0, min_p 1 and a temperature of 1e-6 keep only the
+    best token; top_k past the vocabulary (up to 2**31 - 1) and one under it cut nothing a draw could notice; banned
+    (-inf) tokens are never drawn."""
+    x = logits(4, seed=9)
+    best = x.argmax(dim=-1).tolist()
+    s = new_sampler()
+    for params in ({"top_p": 1e-9}, {"min_p": 1.0}, {"temperature": 1e-6}, {"top_k": 1, "top_p": 1e-9}):
+        assert s(x.clone(), [seq(i, seed=i, **params) for i in range(4)])[0] == best
+    for top_k in (2**31 - 1, VOCAB, VOCAB - 1):
+        drawn = {t for _ in range(40) for t in s(x.clone(), [seq(i, top_k=top_k) for i in range(4)])[0]}
+        assert drawn <= set(range(VOCAB)) and len(drawn) > 4
+    banned = x.clone()
+    banned[:, ::2] = float("-inf")
+    assert all(t % 2 == 1 for _ in range(40) for t in s(banned.clone(), [seq(i) for i in range(4)])[0])
