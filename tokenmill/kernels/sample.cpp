@@ -157,25 +157,71 @@ void top_k_of(const float* x, int64_t vocab, int64_t k, std::vector<Candidate>& 
   if (static_cast<int64_t>(out.size()) > k) out.resize(k);
 }
 
+// What a draw keeps: the tokens ranked up to (value, token) (value -inf, token vocab: all), of logits x with
+// x - max >= min_shift, never a -inf one (banned; exp_sum's clamped arithmetic gives it ~1e-38, not 0).
+struct Kept {
+  float value;
+  int64_t token;
+  float max;
+  float min_shift;
+};
+
+// e^(x[j] - max) for the n <= kSumBlock logits from first into e, 0 where `kept` says no (filter false: every
+// one kept); returns their sum. The block's logits and e stay in L1, and the loop is one the compiler vectorizes
+// (the only index compare is within the block, in 32 bits).
+float kept_exps(const float* x, int64_t first, int64_t n, const Kept& kept, bool filter, float* e) {
+  const float* xb = x + first;
+  std::copy(xb, xb + n, e);
+  float sum = tokenmill::exp_sum(e, n, kept.max);
+  if (!filter) return sum;
+  const float value = kept.value, min_shift = kept.min_shift, m = kept.max;
+  const int32_t last = static_cast<int32_t>(std::clamp<int64_t>(kept.token - first, -1, kSumBlock));
+  float lanes[kMaxLanes] = {};
+  int64_t j = 0;
+  for (; j + kMaxLanes <= n; j += kMaxLanes) {
+    for (int l = 0; l < kMaxLanes; ++l) {
+      const float v = xb[j + l];
+      const int32_t at = static_cast<int32_t>(j + l);
+      // bitwise, not short-circuit: no branch, so the loop vectorizes (the branches were most of a draw's time)
+      const bool keep = ((v > value) | ((v == value) & (at <= last))) & (v - m >= min_shift) & (v != kNegInf);
+      const float out = keep ? e[j + l] : 0.f;
+      e[j + l] = out;
+      lanes[l] += out;
+    }
+  }
+  sum = 0.f;
+  for (; j < n; ++j) {
+    const float v = xb[j];
+    const bool keep = (v > value || (v == value && static_cast<int32_t>(j) <= last)) && v - m >= min_shift &&
+                      v != kNegInf;
+    e[j] = keep ? e[j] : 0.f;
+    sum += e[j];
+  }
+  for (int l = 0; l < kMaxLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
 // One row's draw. x: its logits after temperature; k: top-k (0: none); top_p (>= 1: none); min_p (0: none); u: the
-// row's uniform number in [0, 1). e: a vocabulary-sized buffer; ranked: the candidates' buffer.
-int64_t sample_row(const float* x, int64_t vocab, int64_t k, float top_p, float min_p, float u, float* e,
+// row's uniform number in [0, 1). ranked: the candidates' buffer.
+int64_t sample_row(const float* x, int64_t vocab, int64_t k, float top_p, float min_p, float u,
                    std::vector<Candidate>& ranked) {
   const float m = row_max(x, vocab);
   if (m == kNegInf) return 0;  // nothing can be drawn (a row of -inf or NaN)
-  std::copy(x, x + vocab, e);
-  const float row_total = tokenmill::exp_sum(e, vocab, m);  // e[j] = e^(x[j] - m)
+  const int64_t blocks = (vocab + kSumBlock - 1) / kSumBlock;
+  float e[kSumBlock];
+  const auto block_size = [&](int64_t b) { return std::min(kSumBlock, vocab - b * kSumBlock); };
   // The nucleus: the kept tokens are those ranked up to (last_value, last_token).
   float last_value = kNegInf;
   int64_t last_token = vocab;
   const bool top_k = k > 0 && k < vocab, nucleus = top_p < 1.f;
   if (top_k || nucleus) {
-    double total = row_total;  // the normalizer of top-p's probabilities: over the top k, else the whole row
+    double total = 0.;  // the normalizer of top-p's probabilities: over the top k, else the whole row
     if (top_k) {
       top_k_of(x, vocab, k, ranked);
-      total = 0.;
-      for (const Candidate& c : ranked) total += e[c.second];
+      for (const Candidate& c : ranked) total += std::exp(c.first - m);
     } else {
+      const Kept all{kNegInf, vocab, m, kNegInf};
+      for (int64_t b = 0; b < blocks; ++b) total += kept_exps(x, b * kSumBlock, block_size(b), all, false, e);
       // Tokens of probability under (1 - top_p) / vocab together hold less than 1 - top_p: the nucleus is among
       // the others.
       float bar = m + static_cast<float>(std::log((1. - top_p) / static_cast<double>(vocab) * total));
@@ -190,7 +236,7 @@ int64_t sample_row(const float* x, int64_t vocab, int64_t k, float top_p, float 
       const float norm = static_cast<float>(total);
       float sum = 0.f;
       for (int64_t i = 0; i < kept; ++i) {
-        const float p = e[ranked[i].second] / norm;
+        const float p = std::exp(ranked[i].first - m) / norm;
         const float through = sum + p;
         if (i > 0 && through - p >= top_p) {
           kept = i;
@@ -202,46 +248,33 @@ int64_t sample_row(const float* x, int64_t vocab, int64_t k, float top_p, float 
     last_value = ranked[kept - 1].first;
     last_token = ranked[kept - 1].second;
   }
-  // The draw: e zeroed where a token is not kept, its sums by blocks of kSumBlock, the block the draw falls in
-  // found from them, then the token within it. -inf (a banned token) is never kept: exp_sum's clamped arithmetic
-  // gives it ~1e-38, not 0.
-  const float min_shift = min_p > 0.f ? std::log(min_p) : kNegInf;  // min-p: x - m >= log(min_p)
-  const int64_t blocks = (vocab + kSumBlock - 1) / kSumBlock;
-  double total = 0.;
+  // The draw: the kept tokens' mass by blocks of kSumBlock, the block the draw falls in found from those sums, then
+  // the token within it. -inf (a banned token) is never kept: exp_sum's clamped arithmetic gives it ~1e-38, not 0.
+  const Kept keep{last_value, last_token, m, min_p > 0.f ? std::log(min_p) : kNegInf};  // min-p: x - m >= log(min_p)
   float block_sums[kMaxBlocks];
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t first = b * kSumBlock, n = std::min(kSumBlock, vocab - first);
-    float lanes[kMaxLanes] = {};
-    int64_t j = 0;
-    const auto keep_one = [&](int64_t at) {
-      const float v = x[at];
-      const bool keep = (v > last_value || (v == last_value && at <= last_token)) && v - m >= min_shift &&
-                        v != kNegInf;
-      return e[at] = keep ? e[at] : 0.f;
-    };
-    for (; j + kMaxLanes <= n; j += kMaxLanes)
-      for (int l = 0; l < kMaxLanes; ++l) lanes[l] += keep_one(first + j + l);
-    float sum = 0.f;
-    for (; j < n; ++j) sum += keep_one(first + j);
-    for (int l = 0; l < kMaxLanes; ++l) sum += lanes[l];
-    block_sums[b] = sum;
-    total += sum;
-  }
+  double total = 0.;
+  for (int64_t b = 0; b < blocks; ++b)
+    total += block_sums[b] = kept_exps(x, b * kSumBlock, block_size(b), keep, true, e);
   const double target = static_cast<double>(u) * total;
   double sum = 0.;
+  int64_t last = -1;  // the last token that can be drawn: where rounding leaves the draw past every sum
   for (int64_t b = 0; b < blocks; ++b) {
+    if (block_sums[b] > 0.f) last = b;
     if (sum + block_sums[b] <= target) {
       sum += block_sums[b];
       continue;
     }
-    const int64_t first = b * kSumBlock, end = std::min(vocab, first + kSumBlock);
-    for (int64_t j = first; j < end; ++j) {
+    const int64_t n = block_size(b);
+    kept_exps(x, b * kSumBlock, n, keep, true, e);
+    for (int64_t j = 0; j < n; ++j) {
       sum += e[j];
-      if (sum > target && e[j] > 0.f) return j;
+      if (sum > target && e[j] > 0.f) return b * kSumBlock + j;
     }
   }
-  for (int64_t j = vocab - 1; j > 0; --j)  // rounding left the draw past every sum: the last token that can be drawn
-    if (e[j] > 0.f) return j;
+  if (last < 0) return 0;
+  kept_exps(x, last * kSumBlock, block_size(last), keep, true, e);
+  for (int64_t j = block_size(last) - 1; j >= 0; --j)
+    if (e[j] > 0.f) return last * kSumBlock + j;
   return 0;
 }
 
@@ -262,10 +295,9 @@ at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& top_k, con
   const float *ps = p.data_ptr<float>(), *mps = mp.data_ptr<float>(), *us = u.data_ptr<float>();
   int64_t* token = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(vocab);
     std::vector<Candidate> ranked;
     for (int64_t r = begin; r < end; ++r)
-      token[r] = sample_row(x + r * vocab, vocab, ks[r], ps[r], mps[r], us[r], e.data(), ranked);
+      token[r] = sample_row(x + r * vocab, vocab, ks[r], ps[r], mps[r], us[r], ranked);
   });
   return out;
 }
