@@ -24,7 +24,7 @@
 namespace {
 
 constexpr int64_t kArgmaxChunk = 2048;  // logits a chunk: 8 KiB, in L1 when a chunk's better maximum is looked up again
-constexpr int kMaxLanes = 16;        // independent maxima a chunk, which the compiler keeps in vector lanes
+constexpr int kMaxLanes = 16;  // independent maxima a chunk, which the compiler keeps in vector lanes
 
 struct Best {
   float value;
