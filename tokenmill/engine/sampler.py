@@ -142,15 +142,15 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         dev = logits.device
-        # The kernel (kernels/sample.cpp) picks as argmax does, in one pass shared among the threads.
-        argmax = torch.ops.tokenmill.argmax_rows(logits) if backend.cpu_kernels(dev) else logits.argmax(dim=-1)
+        kernels = backend.cpu_kernels(dev)  # kernels/sample.cpp: argmax's pick and the same draws, in fewer passes
+        argmax = torch.ops.tokenmill.argmax_rows(logits) if kernels else logits.argmax(dim=-1)
         if all(s.params.temperature == 0 for s in seqs):
             return argmax
         temperature = torch.tensor([s.params.temperature for s in seqs], device=dev)
         greedy = temperature == 0
         logits.div_(torch.where(greedy, 1.0, temperature)[:, None])
         uniform = self._uniforms(seqs, dev)
-        if backend.cpu_kernels(dev):  # the same draw without sorting the vocabulary (kernels/sample.cpp)
+        if kernels:  # without sorting the vocabulary
             sampled = torch.ops.tokenmill.sample_rows(
                 logits, torch.tensor([s.params.top_k for s in seqs], device=dev),
                 torch.tensor([s.params.top_p for s in seqs], device=dev),

@@ -1,12 +1,11 @@
 // The sampler's passes over rows x vocabulary fp32 logits (engine/sampler.py), shared among the threads:
 // - argmax_rows: the greedy pick, as torch.argmax gives it (the first index of the largest value; a row with a NaN:
-//   its first NaN), in one pass. torch's took 3.8 ms for 32 rows of Gemma 3's 262,144 logits on a 2-core Zen 4,
-//   four times its amax: at 32 streams a tenth of the step.
+//   its first NaN), in one pass; torch's argmax took four times its own amax.
 // - sample_rows: a draw under temperature, top-k, top-p and min-p, as the sampler's torch ops draw it (the filters
 //   on the temperature's logits; inverse-CDF sampling in vocabulary order with one uniform number a row), without
 //   sorting the vocabulary: top-k keeps a buffer of candidates whose bar rises as it fills, top-p sorts only the
-//   tokens that can be in the nucleus. The torch ops sorted every row whole for top-k or top-p: 541 ms a step for
-//   32 rows of 262,144 logits with top_p 0.9 on that CPU (26 ms with temperature alone).
+//   tokens that can be in the nucleus. The torch ops sort every row whole for top-k or top-p, which on a 262,144-token
+//   vocabulary took longer than the model's step (docs/performance/2026-11-29-sampling-large-vocabularies.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,6 +24,7 @@ namespace {
 
 constexpr int64_t kArgmaxChunk = 2048;  // logits a chunk: 8 KiB, in L1 when a chunk's better maximum is looked up again
 constexpr int kMaxLanes = 16;  // independent maxima a chunk, which the compiler keeps in vector lanes
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Best {
   float value;
@@ -42,7 +42,7 @@ Best best_of(const float* x, int64_t n, int64_t offset) {
     float lanes[kMaxLanes];
     bool nan_lanes[kMaxLanes];
     for (int l = 0; l < kMaxLanes; ++l) {
-      lanes[l] = -std::numeric_limits<float>::infinity();
+      lanes[l] = kNegInf;
       nan_lanes[l] = false;
     }
     const int64_t whole = len / kMaxLanes * kMaxLanes;
@@ -53,7 +53,7 @@ Best best_of(const float* x, int64_t n, int64_t offset) {
         nan_lanes[l] |= v != v;
       }
     }
-    float top = -std::numeric_limits<float>::infinity();
+    float top = kNegInf;
     bool nan = false;
     for (int l = 0; l < kMaxLanes; ++l) {
       top = std::max(top, lanes[l]);
@@ -97,7 +97,7 @@ at::Tensor argmax_rows(const at::Tensor& logits_in) {
       const int64_t row = task / parts, first = task % parts * span;
       const int64_t n = std::min(span, vocab - first);
       found[task] = n > 0 ? best_of(x + row * vocab + first, n, first)
-                          : Best{-std::numeric_limits<float>::infinity(), first, false};
+                          : Best{kNegInf, first, false};
     }
   });
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
@@ -120,7 +120,6 @@ inline bool ranks_before(const Candidate& a, const Candidate& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kSumBlock = 1024;  // tokens a partial sum of the draw's mass covers
 constexpr int64_t kMaxBlocks = 4096;  // vocabularies up to 4M tokens (sample_rows checks)
 
@@ -176,27 +175,20 @@ float kept_exps(const float* x, int64_t first, int64_t n, const Kept& kept, bool
   if (!filter) return sum;
   const float value = kept.value, min_shift = kept.min_shift, m = kept.max;
   const int32_t last = static_cast<int32_t>(std::clamp<int64_t>(kept.token - first, -1, kSumBlock));
+  // e[j] kept or zeroed; bitwise, not short-circuit: no branch, so the loop vectorizes (the branches were most of
+  // a draw's time)
+  const auto keep = [&](int64_t j) {
+    const float v = xb[j];
+    const bool kept_here = ((v > value) | ((v == value) & (static_cast<int32_t>(j) <= last))) &
+                           (v - m >= min_shift) & (v != kNegInf);
+    return e[j] = kept_here ? e[j] : 0.f;
+  };
   float lanes[kMaxLanes] = {};
   int64_t j = 0;
-  for (; j + kMaxLanes <= n; j += kMaxLanes) {
-    for (int l = 0; l < kMaxLanes; ++l) {
-      const float v = xb[j + l];
-      const int32_t at = static_cast<int32_t>(j + l);
-      // bitwise, not short-circuit: no branch, so the loop vectorizes (the branches were most of a draw's time)
-      const bool keep = ((v > value) | ((v == value) & (at <= last))) & (v - m >= min_shift) & (v != kNegInf);
-      const float out = keep ? e[j + l] : 0.f;
-      e[j + l] = out;
-      lanes[l] += out;
-    }
-  }
+  for (; j + kMaxLanes <= n; j += kMaxLanes)
+    for (int l = 0; l < kMaxLanes; ++l) lanes[l] += keep(j + l);
   sum = 0.f;
-  for (; j < n; ++j) {
-    const float v = xb[j];
-    const bool keep = (v > value || (v == value && static_cast<int32_t>(j) <= last)) && v - m >= min_shift &&
-                      v != kNegInf;
-    e[j] = keep ? e[j] : 0.f;
-    sum += e[j];
-  }
+  for (; j < n; ++j) sum += keep(j);
   for (int l = 0; l < kMaxLanes; ++l) sum += lanes[l];
   return sum;
 }
