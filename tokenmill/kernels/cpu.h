@@ -27,6 +27,13 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+// The largest of v's lanes (none NaN).
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 #endif
 
 // e^x as Cephes' expf computes it: x clamped to [-87.3, 88.7] (no overflow, no denormals), x = n ln2 + r with
@@ -213,6 +220,8 @@ struct QuantizedRows {
   std::vector<int8_t> q;        // [rows, in]
   std::vector<float> scale;     // [rows, in / 32]
   std::vector<int32_t> isums;   // [rows, in / sub]
+  std::vector<int32_t> starts;  // [rows, in / sub]: -zero * isums, where a sub-block's integer sum starts
+  std::vector<float> xsums;     // [rows, in / sub]: scale * isums, what the weights' shift multiplies
 };
 
 // Output rows interleaved in a quantized weight's group (quant.cpp describes the layout).

@@ -38,6 +38,7 @@
 // to read, a tenth of a Q4_0 matrix.
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -46,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu.h"
@@ -67,29 +69,77 @@ constexpr int64_t kRowTile = 8;  // activation rows that share one unpacking of 
 using tokenmill::QuantizedMatrix;
 using tokenmill::QuantizedRows;
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, int64_t sub) {
-  const int64_t blocks = in / kBlock, groups = in / sub;
+// Row x's block of 32 as fp32 (bf16 widened exactly) into v.
+template <typename T>
+inline void block_floats(const T* x, float* v) {
+  for (int64_t j = 0; j < kBlock; ++j) v[j] = static_cast<float>(x[j]);
+}
+
+// Rows quantized to int8 per block of 32, scale amax / 127, each value rounded to nearest (ties to even), as
+// std::nearbyint does; x fp32 or bf16 (a bf16 model's rows, not widened in a pass of their own). zero: the weights'
+// integer zero point as the kernel subtracts it (starts), shifted: whether the weights have a shift (xsums).
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, int64_t sub, int32_t zero, bool shifted) {
+  const int64_t blocks = in / kBlock, groups = in / sub, parts = kBlock / sub;  // parts: 1, or 2 halves of 16
   QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
-                    std::vector<int32_t>(rows * groups)};
+                    std::vector<int32_t>(rows * groups), std::vector<int32_t>(rows * groups),
+                    std::vector<float>(shifted ? rows * groups : 0)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float v[kBlock];
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
-        const float* src = x + r * in + b * kBlock;
+        block_floats(x + r * in + b * kBlock, v);
         int8_t* dst = out.q.data() + r * in + b * kBlock;
-        float amax = 0.f;
-        for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
+        int32_t sums[2] = {0, 0};
+#if defined(__AVX512F__)
+        const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+        const __m512 lo = _mm512_load_ps(v), hi = _mm512_load_ps(v + 16);
+        // max_ps gives its second operand where the first is NaN: a NaN value is passed over, as std::max does
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(hi, magnitude),
+                                                              _mm512_max_ps(_mm512_and_ps(lo, magnitude),
+                                                                            _mm512_setzero_ps())));
         const float d = amax / 127.f;
         const float inv = d > 0.f ? 1.f / d : 0.f;
-        int32_t sums[2] = {0, 0};
+        // cvtps_epi32 rounds as nearbyint does (to nearest even, the default mode); cvtepi32_epi8 keeps the low byte
+        // as static_cast<int8_t> does
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qhi));
+        sums[0] = _mm512_reduce_add_epi32(qlo);
+        sums[1] = _mm512_reduce_add_epi32(qhi);
+#else
+        alignas(32) int32_t codes[kBlock];
+#if defined(TOKENMILL_AVX2)
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 most = _mm256_setzero_ps();
+        for (int64_t j = 0; j < kBlock; j += 8)
+          most = _mm256_max_ps(_mm256_and_ps(_mm256_load_ps(v + j), magnitude), most);  // NaN passed over
+        const float amax = tokenmill::hmax(most);
+        const float d = amax / 127.f;
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        for (int64_t j = 0; j < kBlock; j += 8)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(codes + j),
+                             _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + j), _mm256_set1_ps(inv))));
+#else
+        float amax = 0.f;
+        for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+        const float d = amax / 127.f;
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        for (int64_t j = 0; j < kBlock; ++j) codes[j] = static_cast<int32_t>(std::nearbyint(v[j] * inv));
+#endif
         for (int64_t j = 0; j < kBlock; ++j) {
-          const int32_t v = static_cast<int32_t>(std::nearbyint(src[j] * inv));
-          dst[j] = static_cast<int8_t>(v);
-          sums[j / 16] += v;
+          dst[j] = static_cast<int8_t>(codes[j]);
+          sums[j / 16] += codes[j];
         }
+#endif
         out.scale[r * blocks + b] = d;
-        const int64_t parts = kBlock / sub;  // 1, or 2 halves of 16
-        for (int64_t p = 0; p < parts; ++p)
-          out.isums[r * groups + b * parts + p] = parts == 1 ? sums[0] + sums[1] : sums[p];
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t k = r * groups + b * parts + p;
+          out.isums[k] = parts == 1 ? sums[0] + sums[1] : sums[p];
+          out.starts[k] = -zero * out.isums[k];
+          if (shifted) out.xsums[k] = d * static_cast<float>(out.isums[k]);
+        }
       }
     }
   });
@@ -203,6 +253,16 @@ struct Isa {
 };
 #endif
 
+// The zero point the integer sums start from: the weights', and for 8-bit weights on VNNI the 128 that makes them
+// unsigned.
+inline int32_t kernel_zero(const QuantizedMatrix& w) {
+#if defined(TOKENMILL_AVX2)
+  return static_cast<int32_t>(w.zero) + (w.bits == 8 ? Isa::kSignedZero : 0);
+#else
+  return static_cast<int32_t>(w.zero);
+#endif
+}
+
 // Ask for the cache lines a later block will read: the hardware prefetcher alone left single-row decode at about half
 // the memory bandwidth (measured on a 2-core Zen 3).
 inline void prefetch(const void* p, int64_t bytes) {
@@ -233,7 +293,12 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
   }
 #if defined(TOKENMILL_AVX2)
   using V = Isa;
-  const int32_t zero = static_cast<int32_t>(w.zero) + (BITS == 8 ? V::kSignedZero : 0);
+  const int32_t* starts[N];
+  const float* xsums[N];
+  for (int i = 0; i < N; ++i) {
+    starts[i] = x.starts.data() + (r0 + i) * groups;
+    xsums[i] = shift ? x.xsums.data() + (r0 + i) * groups : nullptr;
+  }
   constexpr int64_t kAhead = 4;  // blocks
   for (int64_t lane0 = 0; lane0 < kLanes; lane0 += V::kLanes) {
     typename V::F acc[N];
@@ -248,11 +313,11 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
         for (int i = 0; i < N; ++i) acc[i] = V::fma(s[i], scale, xs[i][b], acc[i]);
         if (shift) {
           const typename V::F m = V::load_f(shift + k * kLanes + lane0);
-          for (int i = 0; i < N; ++i) acc[i] = V::fma(m, xs[i][b] * static_cast<float>(xisums[i][k]), acc[i]);
+          for (int i = 0; i < N; ++i) acc[i] = V::fma(m, xsums[i][k], acc[i]);
         }
       };
       const auto start = [&](int64_t k, typename V::I (&s)[N]) {
-        for (int i = 0; i < N; ++i) s[i] = V::set1(-zero * xisums[i][k]);
+        for (int i = 0; i < N; ++i) s[i] = V::set1(starts[i][k]);
       };
       if constexpr (BITS != 8) {
         // A scale per 16 (Q6_K): the low nibbles are weights 0-15 and the high ones the next sub-block, each summed
@@ -452,8 +517,8 @@ void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, 
 // row), every group over a block before the next: the block stays in cache while the weights pass. Each group over
 // all the rows at once read a 2,048-row step's activations (4.7 MiB of SmolLM2's fp32 rows) once per group, and made
 // the bf16 kernel's fp32 prefill 1.8x slower than oneDNN's.
-template <typename Tile>
-void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, float* out, Tile tile) {
+template <typename T, typename Tile>
+void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, T* out, Tile tile) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
   const int64_t block = std::max<int64_t>(1, tokenmill::kRowBlockBytes / (row_bytes * kRowTile)) * kRowTile;
   for (int64_t first = 0; first < rows; first += block) {
@@ -465,11 +530,41 @@ void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, floa
         for (int64_t r0 = first; r0 < last; r0 += kRowTile) {
           const int64_t n = std::min(kRowTile, last - r0);
           tokenmill::with_count<kRowTile>(n, [&](auto count) { tile(g, r0, count, t); });
-          for (int64_t i = 0; i < n; ++i)
-            std::memcpy(out + (r0 + i) * w.out + g * kLanes, t[i], valid * sizeof(float));
+          for (int64_t i = 0; i < n; ++i) {
+            T* to = out + (r0 + i) * w.out + g * kLanes;
+            if constexpr (std::is_same_v<T, float>) {
+              std::memcpy(to, t[i], valid * sizeof(float));
+            } else {
+              for (int64_t j = 0; j < valid; ++j) to[j] = static_cast<T>(t[i][j]);
+            }
+          }
         }
       }
     });
+  }
+}
+
+// out[rows, w.out] = x @ dequantize(w).T on the integer kernel (w of 4 to 8 bits): x fp32 or bf16, out fp32 or bf16
+// (each sum rounded once).
+template <typename TX, typename TO>
+void integer_matmul(const TX* x, int64_t rows, const QuantizedMatrix& w, TO* out) {
+  tokenmill::with_layout(w, [&](auto bits, auto sub, auto s) {
+    constexpr int kBits = decltype(bits)::value;
+    if constexpr (kBits != 16) {
+      const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub, kernel_zero(w), w.shift != nullptr);
+      over_groups(rows, w.in, w, out, [&](int64_t g, int64_t r0, auto count, float (*t)[kLanes]) {
+        group_tile<kBits, decltype(sub)::value, decltype(s), decltype(count)::value>(w, g, xq, r0, t);
+      });
+    }
+  });
+}
+
+template <typename TX>
+void integer_matmul_to(const TX* x, int64_t rows, const QuantizedMatrix& w, at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat) {
+    integer_matmul(x, rows, w, out.data_ptr<float>());
+  } else {
+    integer_matmul(x, rows, w, out.data_ptr<at::BFloat16>());
   }
 }
 
@@ -500,6 +595,16 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     return out.to(out_type);
   }
 #endif
+  if (w.bits != 16 && !tokenmill::takes_tiles(x.size(0), tiles_from_rows) &&
+      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+      (out_type == at::kFloat || out_type == at::kBFloat16)) {  // the integer kernel reads and writes these as they are
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(out_type));
+    AT_DISPATCH_SWITCH(x.scalar_type(), "quantized_linear",
+        AT_DISPATCH_CASE(at::kFloat, [&] { integer_matmul_to(xc.data_ptr<scalar_t>(), x.size(0), w, out); })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] { integer_matmul_to(xc.data_ptr<scalar_t>(), x.size(0), w, out); }));
+    return out;
+  }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
   tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>(), tiles_from_rows, bf16_rows);
@@ -612,19 +717,13 @@ void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMa
     quantized_matmul(rounded.data(), rows, w, out, tiles_from_rows, false);
     return;
   }
-  tokenmill::with_layout(w, [&](auto bits, auto sub, auto s) {
-    constexpr int kBits = decltype(bits)::value;
-    if constexpr (kBits == 16) {
-      over_groups(rows, w.in * sizeof(float), w, out, [&](int64_t g, int64_t r0, auto count, float (*t)[kLanes]) {
-        bf16_group_tile<decltype(count)::value>(w, g, x, r0, t);
-      });
-    } else {
-      const QuantizedRows xq = quantize_rows(x, rows, w.in, w.sub);
-      over_groups(rows, w.in, w, out, [&](int64_t g, int64_t r0, auto count, float (*t)[kLanes]) {
-        group_tile<kBits, decltype(sub)::value, decltype(s), decltype(count)::value>(w, g, xq, r0, t);
-      });
-    }
-  });
+  if (w.bits == 16) {
+    over_groups(rows, w.in * sizeof(float), w, out, [&](int64_t g, int64_t r0, auto count, float (*t)[kLanes]) {
+      bf16_group_tile<decltype(count)::value>(w, g, x, r0, t);
+    });
+  } else {
+    integer_matmul(x, rows, w, out);
+  }
 }
 
 // The instruction sets this build's code paths were compiled for, as the compiler saw them: those that
