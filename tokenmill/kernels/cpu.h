@@ -215,13 +215,15 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // Activation rows quantized to int8 per block of 32: q, the block's scale, and sum(q) per `sub` weights (the zero
-// point multiplies it, and with the block's scale the weights' shifts). quant.cpp.
+// point multiplies it, and with the block's scale the weights' shifts). quant.cpp. Rows lie in tiles of 8 (the last
+// one of what is left), a tile's n rows side by side (their values 4 at a time, their scales and sums one at a
+// time), so that the kernel reaches all of them through one pointer and fixed offsets; one row is laid out as itself.
 struct QuantizedRows {
-  std::vector<int8_t> q;        // [rows, in]
-  std::vector<float> scale;     // [rows, in / 32]
-  std::vector<int32_t> isums;   // [rows, in / sub]
-  std::vector<int32_t> starts;  // [rows, in / sub]: -zero * isums, where a sub-block's integer sum starts
-  std::vector<float> xsums;     // [rows, in / sub]: scale * isums, what the weights' shift multiplies
+  std::vector<int8_t> q;        // [tiles, in / 4, n, 4]
+  std::vector<float> scale;     // [tiles, in / 32, n]
+  std::vector<int32_t> isums;   // [tiles, in / sub, n]
+  std::vector<int32_t> starts;  // [tiles, in / sub, n]: -zero * isums, where a sub-block's integer sum starts
+  std::vector<float> xsums;     // [tiles, in / sub, n]: scale * isums, what the weights' shift multiplies
 };
 
 // Output rows interleaved in a quantized weight's group (quant.cpp describes the layout).

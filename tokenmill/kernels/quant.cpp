@@ -86,10 +86,12 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, int64_t sub, i
                     std::vector<float>(shifted ? rows * groups : 0)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     alignas(64) float v[kBlock];
+    alignas(64) int8_t dst[kBlock];
     for (int64_t r = begin; r < end; ++r) {
+      // the row's tile starts at row 8 * tile and holds n rows: 8, or fewer in the last
+      const int64_t tile = r / kRowTile, i = r % kRowTile, n = std::min(kRowTile, rows - tile * kRowTile);
       for (int64_t b = 0; b < blocks; ++b) {
         block_floats(x + r * in + b * kBlock, v);
-        int8_t* dst = out.q.data() + r * in + b * kBlock;
         int32_t sums[2] = {0, 0};
 #if defined(__AVX512F__)
         const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
@@ -133,9 +135,11 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, int64_t sub, i
           sums[j / 16] += codes[j];
         }
 #endif
-        out.scale[r * blocks + b] = d;
+        for (int64_t u = 0; u < kBlock / 4; ++u)  // the block's 8 fours to their places beside the tile's rows
+          std::memcpy(out.q.data() + tile * kRowTile * in + ((b * (kBlock / 4) + u) * n + i) * 4, dst + 4 * u, 4);
+        out.scale[tile * kRowTile * blocks + b * n + i] = d;
         for (int64_t p = 0; p < parts; ++p) {
-          const int64_t k = r * groups + b * parts + p;
+          const int64_t k = tile * kRowTile * groups + (b * parts + p) * n + i;
           out.isums[k] = parts == 1 ? sums[0] + sums[1] : sums[p];
           out.starts[k] = -zero * out.isums[k];
           if (shifted) out.xsums[k] = d * static_cast<float>(out.isums[k]);
@@ -283,22 +287,15 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
   const uint8_t* q = w.q + g * blocks * block_bytes;
   const S* scales = static_cast<const S*>(w.scales) + g * groups * kLanes;
   const S* shift = w.shift ? static_cast<const S*>(w.shift) + g * groups * kLanes : nullptr;
-  const int8_t* xq[N];
-  const float* xs[N];
-  const int32_t* xisums[N];
-  for (int i = 0; i < N; ++i) {
-    xq[i] = x.q.data() + (r0 + i) * w.in;
-    xs[i] = x.scale.data() + (r0 + i) * blocks;
-    xisums[i] = x.isums.data() + (r0 + i) * groups;
-  }
+  // the rows' tile (r0 a multiple of kRowTile, N its rows): row i's four values from value j at
+  // xq + ((j / 4) * N + i) * 4, its scales, starts and sums from index k at k * N + i
+  const int8_t* xq = x.q.data() + r0 * w.in;
+  const float* xs = x.scale.data() + r0 * blocks;
 #if defined(TOKENMILL_AVX2)
   using V = Isa;
-  const int32_t* starts[N];
-  const float* xsums[N];
-  for (int i = 0; i < N; ++i) {
-    starts[i] = x.starts.data() + (r0 + i) * groups;
-    xsums[i] = shift ? x.xsums.data() + (r0 + i) * groups : nullptr;
-  }
+  const int32_t* starts = x.starts.data() + r0 * groups;
+  const float* xsums = shift ? x.xsums.data() + r0 * groups : nullptr;
+  const auto four = [&](int64_t j, int i) { return xq + ((j / 4) * N + i) * 4; };  // values j..j+3 of row i
   constexpr int64_t kAhead = 4;  // blocks
   for (int64_t lane0 = 0; lane0 < kLanes; lane0 += V::kLanes) {
     typename V::F acc[N];
@@ -310,14 +307,14 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
       // One scale's worth of weights (a block, or half of one): the integer sums, then one float multiply-add.
       const auto finish = [&](int64_t k, const typename V::I (&s)[N]) {
         const typename V::F scale = V::load_f(scales + k * kLanes + lane0);
-        for (int i = 0; i < N; ++i) acc[i] = V::fma(s[i], scale, xs[i][b], acc[i]);
+        for (int i = 0; i < N; ++i) acc[i] = V::fma(s[i], scale, xs[b * N + i], acc[i]);
         if (shift) {
           const typename V::F m = V::load_f(shift + k * kLanes + lane0);
-          for (int i = 0; i < N; ++i) acc[i] = V::fma(m, xsums[i][k], acc[i]);
+          for (int i = 0; i < N; ++i) acc[i] = V::fma(m, xsums[k * N + i], acc[i]);
         }
       };
       const auto start = [&](int64_t k, typename V::I (&s)[N]) {
-        for (int i = 0; i < N; ++i) s[i] = V::set1(starts[i][k]);
+        for (int i = 0; i < N; ++i) s[i] = V::set1(starts[k * N + i]);
       };
       if constexpr (BITS != 8) {
         // A scale per 16 (Q6_K): the low nibbles are weights 0-15 and the high ones the next sub-block, each summed
@@ -340,17 +337,18 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
             hi = V::with_high(hi, planes[1], tokenmill::high_shift<BITS>(c, 1), mask);
           }
           for (int i = 0; i < N; ++i) {
-            sums[i] = V::dot4(sums[i], lo, xq[i] + b * kBlock + 4 * c);
-            high_sums[i] = V::dot4(high_sums[i], hi, xq[i] + b * kBlock + 16 + 4 * c);
+            sums[i] = V::dot4(sums[i], lo, four(b * kBlock + 4 * c, i));
+            high_sums[i] = V::dot4(high_sums[i], hi, four(b * kBlock + 16 + 4 * c, i));
           }
         }
         finish(b * (kBlock / SUB), sums);
         if constexpr (SUB == 16) finish(2 * b + 1, upper);
       } else {
+#pragma GCC unroll 8
         for (int64_t c = 0; c < 8; ++c) {
           if (c % (SUB / 4) == 0) start(b * (kBlock / SUB) + c / (SUB / 4), sums);
           const typename V::Signed8 v = V::signed8(V::load(at + c * kLanes * 4));
-          for (int i = 0; i < N; ++i) sums[i] = V::dot4(sums[i], v, xq[i] + b * kBlock + 4 * c);
+          for (int i = 0; i < N; ++i) sums[i] = V::dot4(sums[i], v, four(b * kBlock + 4 * c, i));
           if (c % (SUB / 4) == SUB / 4 - 1) finish(b * (kBlock / SUB) + c / (SUB / 4), sums);
         }
       }
@@ -362,14 +360,16 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
     for (int64_t lane = 0; lane < kLanes; ++lane) {
       float acc = 0.f;
       for (int64_t k = 0; k < groups; ++k) {  // k: one scale's SUB weights, from weight k * SUB of the row
-        int32_t sum = -static_cast<int32_t>(w.zero) * xisums[i][k];
+        const int32_t isum = x.isums[r0 * groups + k * N + i];
+        const float x_scale = xs[(k * SUB / kBlock) * N + i];
+        int32_t sum = -static_cast<int32_t>(w.zero) * isum;
         for (int64_t j = k * SUB; j < (k + 1) * SUB; ++j) {
           const int64_t b = j / kBlock, in_block = j % kBlock;
-          sum += code<BITS>(q + b * block_bytes + lane * 4, in_block) * xq[i][j];
+          sum += code<BITS>(q + b * block_bytes + lane * 4, in_block) * xq[((j / 4) * N + i) * 4 + j % 4];
         }
-        acc += static_cast<float>(sum) * (static_cast<float>(scales[k * kLanes + lane]) * xs[i][k * SUB / kBlock]);
+        acc += static_cast<float>(sum) * (static_cast<float>(scales[k * kLanes + lane]) * x_scale);
         if (shift) {
-          const float x_sum = xs[i][k * SUB / kBlock] * static_cast<float>(xisums[i][k]);
+          const float x_sum = x_scale * static_cast<float>(isum);
           acc += static_cast<float>(shift[k * kLanes + lane]) * x_sum;
         }
       }
