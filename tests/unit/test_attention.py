@@ -160,7 +160,7 @@ def test_the_prefill_kernel_attends_each_row_to_its_keys(heads: int, kv_heads: i
     width = -(-(start + n) // block) + 1
     keys = torch.randn(width * block, kv_heads, dim)
     values = torch.randn(width * block, kv_heads, dim)
-    keys[start + n:], values[start + n:] = 1e4, -1e4  # past the last row: never seen
+    keys[start + n:], values[start + n:] = 1e4, float("nan")  # past the last row: never seen (0 x NaN is NaN)
     table = torch.randperm(3 * width)[:width] + 1
     pool_k = torch.full((3 * width + 1, block, kv_heads, dim), float("nan"))
     pool_v = torch.full((3 * width + 1, block, kv_heads, dim), float("nan"))

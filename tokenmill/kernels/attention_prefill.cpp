@@ -3,7 +3,9 @@
 // prefix and the chunk itself, a tile of keys at a time, widened into scratch once for the whole group; scores of a
 // tile of keys are an outer product in registers, and the softmax is carried from tile to tile (running max and
 // sum), so no [rows, keys] matrix, gathered copy of the keys or mask is ever built (torch's path does all three).
-// Causal, and a sliding window (Gemma 3) which skips the key tiles no row of the task sees.
+// Causal, and a sliding window (Gemma 3) which skips the key tiles no row of the task sees. bf16 rows on a CPU with
+// AVX512-BF16 multiply as bf16 pairs (vdpbf16ps): the queries and keys as they are, the softmax's weights rounded to
+// bf16 for the values' products, as torch's own CPU flash attention rounds them for a bf16 model; fp32 sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -14,7 +16,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu.h"
@@ -47,10 +51,17 @@ struct Scratch {
   std::vector<float> values;  // [kKeys, dim]
   std::vector<float> scores;  // [kKeys, lanes]: scores, then weights
   std::vector<float> max, total;  // [lanes]
+  // bf16 rows on a CPU with vdpbf16ps (pairs of bf16 as one 32-bit lane, summed two products at a time):
+  std::vector<uint32_t> query_pairs;  // [dim / 2, lanes]: dims 2d and 2d + 1 of each query, unscaled
+  std::vector<uint32_t> key_pairs;    // [kKeys, dim / 2]: the key tile's rows as the pool holds them
+  std::vector<uint32_t> value_pairs;  // [kKeys / 2, dim]: dim d of keys 2j and 2j + 1
+  std::vector<uint32_t> weight_pairs; // [kKeys / 2, lanes]: the weights of keys 2j and 2j + 1, rounded to bf16
 
   Scratch(int64_t queries, int64_t dim)
       : lanes((queries + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes), query(dim * lanes), out(dim * lanes),
-        keys(kKeys * dim), values(kKeys * dim), scores(kKeys * lanes), max(lanes), total(lanes) {}
+        keys(kKeys * dim), values(kKeys * dim), scores(kKeys * lanes), max(lanes), total(lanes),
+        query_pairs(dim / 2 * lanes), key_pairs(kKeys * dim / 2), value_pairs(kKeys / 2 * dim),
+        weight_pairs(kKeys / 2 * lanes) {}
 };
 
 // scores[j, V vectors of queries from v0] for keys j0..j0+kStep-1: per dim, kStep broadcast key values against the
@@ -91,6 +102,57 @@ void add_values(Scratch& w, int64_t d0, int64_t v0, int64_t keys, int64_t dim) {
     for (int v = 0; v < V; ++v) Vec::store(w.out.data() + (d0 + k) * w.lanes + (v0 + v) * Vec::kLanes, acc[k][v]);
 }
 
+#if defined(__AVX512BF16__)
+#define TOKENMILL_DPBF16_ATTENTION 1
+// The same products as score and add_values on bf16 pairs, each vdpbf16ps two multiply-adds a lane (the products
+// of two bf16 exact in fp32, summed in fp32): half the instructions, and the keys read as the pool holds them.
+
+// scores[j, V vectors of queries from v0] for keys j0..j0+kStep-1, times scale (the queries are not prescaled: a
+// scaled query would round again to bf16).
+template <int V>
+void score_pairs(Scratch& w, int64_t j0, int64_t v0, int64_t dim, float scale) {
+  __m512 acc[kStep][V];
+  for (int k = 0; k < kStep; ++k)
+    for (int v = 0; v < V; ++v) acc[k][v] = _mm512_setzero_ps();
+  const uint32_t* key = w.key_pairs.data() + j0 * (dim / 2);
+  for (int64_t d = 0; d < dim / 2; ++d) {
+    __m512bh q[V];
+    for (int v = 0; v < V; ++v)
+      q[v] = (__m512bh)_mm512_loadu_si512(w.query_pairs.data() + d * w.lanes + (v0 + v) * Vec::kLanes);
+    for (int k = 0; k < kStep; ++k) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(key[k * (dim / 2) + d]));
+      for (int v = 0; v < V; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], b, q[v]);
+    }
+  }
+  for (int k = 0; k < kStep; ++k)
+    for (int v = 0; v < V; ++v)
+      _mm512_storeu_ps(w.scores.data() + (j0 + k) * w.lanes + (v0 + v) * Vec::kLanes,
+                       _mm512_mul_ps(acc[k][v], _mm512_set1_ps(scale)));
+}
+
+// out[dims d0..d0+kStep-1, V vectors of queries from v0] += the weights of `pairs` pairs of keys times their values.
+template <int V>
+void add_value_pairs(Scratch& w, int64_t d0, int64_t v0, int64_t pairs, int64_t dim) {
+  __m512 acc[kStep][V];
+  for (int k = 0; k < kStep; ++k)
+    for (int v = 0; v < V; ++v) acc[k][v] = Vec::load(w.out.data() + (d0 + k) * w.lanes + (v0 + v) * Vec::kLanes);
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh p[V];
+    for (int v = 0; v < V; ++v)
+      p[v] = (__m512bh)_mm512_loadu_si512(w.weight_pairs.data() + j * w.lanes + (v0 + v) * Vec::kLanes);
+    for (int k = 0; k < kStep; ++k) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w.value_pairs[j * dim + d0 + k]));
+      for (int v = 0; v < V; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], b, p[v]);
+    }
+  }
+  for (int k = 0; k < kStep; ++k)
+    for (int v = 0; v < V; ++v) Vec::store(w.out.data() + (d0 + k) * w.lanes + (v0 + v) * Vec::kLanes, acc[k][v]);
+}
+
+// The bits of v's 16 lanes rounded to bf16 (to nearest, ties to even), each in the low half of a 32-bit lane.
+inline __m512i bf16_lanes(__m512 v) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)); }
+#endif
+
 // f(v0, V) over the task's vectors of queries in slabs of at most kSlab, as even as they split (4: 2 and 2, not 3
 // and 1, whose single vector was bound by the key broadcasts); V a std::integral_constant.
 template <typename Fn>
@@ -114,12 +176,26 @@ template <typename T, typename KV>
 void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, const int64_t* table, int64_t r0,
                   int64_t n, int64_t start, int64_t h, int64_t heads, int64_t kv_heads, int64_t dim,
                   int64_t block_size, float scale, int64_t window, T* out) {
+#if defined(TOKENMILL_DPBF16_ATTENTION)
+  constexpr bool kPairs = std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
   const int64_t group = heads / kv_heads, queries = n * group, vectors = w.lanes / Vec::kLanes;
   const float ninf = -std::numeric_limits<float>::infinity();
-  std::fill(w.query.begin(), w.query.end(), 0.f);  // the padding lanes: zero queries, discarded
-  for (int64_t m = 0; m < queries; ++m) {
-    const T* src = q + ((r0 + m / group) * heads + h * group + m % group) * dim;
-    for (int64_t d = 0; d < dim; ++d) w.query[d * w.lanes + m] = static_cast<float>(src[d]) * scale;
+  if constexpr (kPairs) {
+    std::fill(w.query_pairs.begin(), w.query_pairs.end(), 0u);
+    for (int64_t m = 0; m < queries; ++m) {
+      const T* src = q + ((r0 + m / group) * heads + h * group + m % group) * dim;
+      for (int64_t d = 0; d < dim / 2; ++d)
+        w.query_pairs[d * w.lanes + m] = src[2 * d].x | static_cast<uint32_t>(src[2 * d + 1].x) << 16;
+    }
+  } else {
+    std::fill(w.query.begin(), w.query.end(), 0.f);  // the padding lanes: zero queries, discarded
+    for (int64_t m = 0; m < queries; ++m) {
+      const T* src = q + ((r0 + m / group) * heads + h * group + m % group) * dim;
+      for (int64_t d = 0; d < dim; ++d) w.query[d * w.lanes + m] = static_cast<float>(src[d]) * scale;
+    }
   }
   std::fill(w.out.begin(), w.out.end(), 0.f);
   std::fill(w.max.begin(), w.max.end(), ninf);
@@ -128,15 +204,42 @@ void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, 
   const int64_t first_key = window > 0 ? std::max<int64_t>(first_row - window + 1, 0) : 0;
   for (int64_t k0 = first_key; k0 <= last_row; k0 += kKeys) {
     const int64_t keys = std::min(kKeys, last_row + 1 - k0), padded = (keys + kStep - 1) / kStep * kStep;
-    for (int64_t j = 0; j < keys; ++j) {
-      const int64_t p = k0 + j;
-      const int64_t row = ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
-      widen_row(k_cache + row, w.keys.data() + j * dim, dim);
-      widen_row(v_cache + row, w.values.data() + j * dim, dim);
+    if constexpr (kPairs) {
+#if defined(TOKENMILL_DPBF16_ATTENTION)
+      // the keys' rows as they are; the values' dims paired across keys 2j and 2j + 1 (a last odd key's partner 0)
+      const auto row_of = [&](int64_t j) {
+        const int64_t p = k0 + j;
+        return ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+      };
+      for (int64_t j = 0; j < keys; ++j)
+        std::memcpy(w.key_pairs.data() + j * (dim / 2), k_cache + row_of(j), dim * sizeof(KV));
+      std::fill(w.key_pairs.begin() + keys * (dim / 2), w.key_pairs.begin() + padded * (dim / 2), 0u);
+      for (int64_t j = 0; j < keys; j += 2) {
+        const KV* first = v_cache + row_of(j);
+        const KV* second = j + 1 < keys ? v_cache + row_of(j + 1) : nullptr;
+        for (int64_t d = 0; d < dim; d += Vec::kLanes) {
+          const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + d)));
+          const __m512i high = second ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                            reinterpret_cast<const __m256i*>(second + d)))
+                                      : _mm512_setzero_si512();
+          _mm512_storeu_si512(w.value_pairs.data() + (j / 2) * dim + d,
+                              _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+        }
+      }
+      for (int64_t j = 0; j < padded; j += kStep)
+        by_slabs(vectors, [&](int64_t v0, auto v) { score_pairs<decltype(v)::value>(w, j, v0, dim, scale); });
+#endif
+    } else {
+      for (int64_t j = 0; j < keys; ++j) {
+        const int64_t p = k0 + j;
+        const int64_t row = ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+        widen_row(k_cache + row, w.keys.data() + j * dim, dim);
+        widen_row(v_cache + row, w.values.data() + j * dim, dim);
+      }
+      std::fill(w.keys.begin() + keys * dim, w.keys.begin() + padded * dim, 0.f);
+      for (int64_t j = 0; j < padded; j += kStep)
+        by_slabs(vectors, [&](int64_t v0, auto v) { score<decltype(v)::value>(w, j, v0, dim); });
     }
-    std::fill(w.keys.begin() + keys * dim, w.keys.begin() + padded * dim, 0.f);
-    for (int64_t j = 0; j < padded; j += kStep)
-      by_slabs(vectors, [&](int64_t v0, auto v) { score<decltype(v)::value>(w, j, v0, dim); });
     // Scores a query may not see: keys after its row, or (a window) too far before it. Every query of the task sees
     // all of a tile that ends at or before its first row and, with a window, starts within it of its last row.
     const bool whole = k0 + keys - 1 <= first_row && (window <= 0 || last_row - k0 < window);
@@ -165,8 +268,26 @@ void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, 
       for (int64_t d = 0; d < dim; ++d)
         Vec::store(w.out.data() + d * w.lanes + at, Vec::mul(Vec::load(w.out.data() + d * w.lanes + at), shrink));
     }
-    for (int64_t d = 0; d < dim; d += kStep)
-      by_slabs(vectors, [&](int64_t v0, auto v) { add_values<decltype(v)::value>(w, d, v0, keys, dim); });
+    if constexpr (kPairs) {
+#if defined(TOKENMILL_DPBF16_ATTENTION)
+      const int64_t pairs = (keys + 1) / 2;
+      for (int64_t j = 0; j < pairs; ++j)
+        for (int64_t v = 0; v < vectors; ++v) {
+          const int64_t at = v * Vec::kLanes;
+          const __m512i first = bf16_lanes(Vec::load(w.scores.data() + 2 * j * w.lanes + at));
+          const __m512i second = 2 * j + 1 < keys
+                                     ? bf16_lanes(Vec::load(w.scores.data() + (2 * j + 1) * w.lanes + at))
+                                     : _mm512_setzero_si512();
+          _mm512_storeu_si512(w.weight_pairs.data() + j * w.lanes + at,
+                              _mm512_or_si512(first, _mm512_slli_epi32(second, 16)));
+        }
+      for (int64_t d = 0; d < dim; d += kStep)
+        by_slabs(vectors, [&](int64_t v0, auto v) { add_value_pairs<decltype(v)::value>(w, d, v0, pairs, dim); });
+#endif
+    } else {
+      for (int64_t d = 0; d < dim; d += kStep)
+        by_slabs(vectors, [&](int64_t v0, auto v) { add_values<decltype(v)::value>(w, d, v0, keys, dim); });
+    }
   }
   for (int64_t m = 0; m < queries; ++m) {
     const float inv = 1.f / w.total[m];
