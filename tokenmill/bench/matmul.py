@@ -1,0 +1,97 @@
+"""The C++ kernels' matmuls of a model alone (a GGUF's quantized matrices; a bf16 model's, in the kernels' 16-bit
+layout), at the row counts of decode, speculative verify and prefill steps.
+
+    python -m tokenmill.bench.matmul [MODEL] [--rows 1 5 8 32 512] [--runs 9] [--threads 2]
+
+Two measures, each a median (and the fastest) over --runs:
+
+**Each matrix.** Every distinct matrix of the first layer, and the output head, called on random bf16 rows of each
+count: milliseconds a call and GOP/s (2 x rows x in x out integer or float operations over the time). The matrix
+stays in the caches from call to call (the head, where it is larger than them, excepted): this is the kernel's
+arithmetic.
+
+**A step's matrices.** Every layer's matrices in turn at each row count, as a decode step reads them: their bytes
+from memory once a pass. Milliseconds a pass, its GB/s, and its time over the one-row pass: what a step of that many
+rows costs against a step of one, in the matmuls (the step's target for a 5-row speculative verify is 1.3x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from tokenmill.config import EngineConfig, WeightPlan
+from tokenmill.layers.quantized import QuantizedLinear
+from tokenmill.loader import load_model
+
+
+def _times(call: Callable[[], object], runs: int, repeat: int = 1) -> list[float]:
+    call()  # warm-up: the caches, and the kernels' first-call set-up
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        for _ in range(repeat):
+            call()
+        times.append((time.perf_counter() - started) / repeat)
+    return times
+
+
+def _rows(count: int, features: int) -> torch.Tensor:
+    return torch.randn(count, features, generator=torch.Generator().manual_seed(count)).to(torch.bfloat16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=EngineConfig.model)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 32, 512])
+    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    net = load_model(args.model, WeightPlan(dtype="bfloat16", device="cpu")).model
+    assert isinstance(net, torch.nn.Module)
+    linears = {name: m for name, m in net.named_modules() if isinstance(m, QuantizedLinear)}
+    if not linears:
+        raise SystemExit(f"{args.model}: no matrix runs on the C++ kernels here (TOKENMILL_NO_KERNELS, or no CPU "
+                         "kernels built)")
+    first = min(name.split(".layers.")[1].split(".")[0] for name in linears if ".layers." in name)
+    shown = {name: m for name, m in linears.items() if f".layers.{first}." in name or ".layers." not in name}
+    print(f"{args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads, medians (fastest) of "
+          f"{args.runs} runs")
+    print(f"{'matrix':40s} {'bits':>4s} {'in':>6s} {'out':>7s} {'rows':>5s} {'ms a call':>18s} {'GOP/s':>14s}")
+    for name, m in shown.items():
+        out_features, in_features = m.weight.shape
+        for count in args.rows:
+            x = _rows(count, in_features)
+            ops = 2 * count * in_features * out_features
+            repeat = max(1, int(2e8 // ops))  # calls of a few ms or more, so the clock's and Python's cost is small
+            times = _times(lambda: m(x), args.runs, repeat)  # noqa: B023 (called here, in this iteration)
+            median, best = statistics.median(times), min(times)
+            print(f"{name:40s} {m.weight.bits:4d} {in_features:6d} {out_features:7d} {count:5d} "
+                  f"{median * 1e3:9.3f} ({best * 1e3:.3f}) {ops / median / 1e9:6.0f} ({ops / best / 1e9:.0f})")
+    layered = [m for name, m in linears.items() if ".layers." in name]
+    nbytes = sum(m.weight.nbytes for m in layered)
+    print(f"\nevery layer's matrices in turn ({len(layered)} matrices, {nbytes / 1e6:.1f} MB a pass)")
+    print(f"{'rows':>5s} {'ms a pass':>18s} {'GB/s':>6s} {'x 1 row':>8s}")
+    one_row: float | None = None
+    for count in args.rows:
+        inputs = {f: _rows(count, f) for f in {m.weight.shape[1] for m in layered}}
+
+        def step(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for m in layered:
+                m(inputs[m.weight.shape[1]])
+
+        times = _times(step, args.runs)
+        median = statistics.median(times)
+        if count == 1:
+            one_row = median
+        ratio = f"{median / one_row:8.2f}" if one_row else ""
+        print(f"{count:5d} {median * 1e3:9.3f} ({min(times) * 1e3:.3f}) {nbytes / median / 1e9:6.1f} {ratio}")
+
+if __name__ == "__main__":
+    main()
