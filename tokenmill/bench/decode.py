@@ -6,15 +6,15 @@
         --row-matmul both --prefill --profile
     python -m tokenmill.bench.decode MODEL --tensor-parallel-size 1 2 --threads 2 --streams 1 8
 
-Each run sends --streams requests at once, each generating --tokens tokens greedily with ignore_eos. Decode speed
-is the tokens that arrive while every stream decodes, over that window (from the last stream's first token to the
-first stream's last), so prefill is not in it; with one stream, (tokens - 1) / (first token to last). --prefill
-also times 8 prompts of 1,000 tokens (one output token each). --profile times the parts of 64 one-stream decode
-steps (schedule, the runner, sampling, update, emit; the GPU's time by CUDA events), then records 16 more with
-torch.profiler and prints the kernels a step and their time. Prints the median and range over the runs, and the
-weights' bytes read per second (each step reads every weight once: the quantized weights, or their dense copies
-where a step of many rows runs on them) where there are runs. --tensor-parallel-size: each size in its own run,
---threads split among its ranks (their weights: rank 0's share).
+Each run sends --streams requests at once (the stream counts taking turns, run by run), each generating --tokens
+tokens greedily with ignore_eos. Decode speed is the tokens that arrive while every stream decodes, over that window
+(from the last stream's first token to the first stream's last), so prefill is not in it; with one stream,
+(tokens - 1) / (first token to last). --prefill also times 8 prompts of 1,000 tokens (one output token each).
+--profile times the parts of 64 one-stream decode steps (schedule, the runner, sampling, update, emit; the GPU's
+time by CUDA events), then records 16 more with torch.profiler and prints the kernels a step and their time. Prints
+the median and range over the runs, and the weights' bytes read per second (each step reads every weight once: the
+quantized weights, or their dense copies where a step of many rows runs on them) where there are runs.
+--tensor-parallel-size: each size in its own run, --threads split among its ranks (their weights: rank 0's share).
 """
 
 from __future__ import annotations
@@ -229,8 +229,13 @@ def measure(config: EngineConfig, timing: Timing) -> dict:
                         "graphs": engine.runner.graphs is not None,
                         "row_matmul": config.gpu_row_matmul and engine.runner.device.type == "cuda",
                         "pdl": config.gpu_pdl and gpu.pdl_ready(engine.runner.device)}
+        # the stream counts take turns run by run, so that the machine's drift spreads over all of them (a step of
+        # n rows against one of a row, the ratio the table prints, was drift-bound when every run of one came first)
         for n in streams:
-            result[n] = [asyncio.run(_streams(engine, [prompt_ids] * n, tokens)) for _ in range(runs)]
+            result[n] = []
+        for _ in range(runs):
+            for n in streams:
+                result[n].append(asyncio.run(_streams(engine, [prompt_ids] * n, tokens)))
         if timing.prefill:
             vocab = engine.tokenizer.vocab_size
             asyncio.run(_prefill(engine, vocab, runs))  # warm-up: the prefill kernels compile for their shapes
