@@ -282,8 +282,10 @@ def test_an_fp32_model_keeps_in_bf16_only_the_matrices_whose_values_are_bf16_one
     assert set(kept_bits(loaded).values()) == {16} and len(kept_bits(loaded)) == 2 * 4 + 1 - 1
     assert "model.layers.1.mlp.down_proj" not in kept_bits(loaded) and loaded.model.model.fused_decode is None
     reference = load_model(str(path), WeightPlan(dtype="float32", device="cpu", bf16_kernels=False))
+    # Two fp32 orders of the same sums drift apart over the steps: measured 0.4-1.2e-5 of the largest value (AVX2 and
+    # AVX-512 builds, Zen 4); rows rounded to bf16 before the products: 1-8e-2.
     for ours, theirs in zip(decode_steps(loaded, PROMPTS, 3), decode_steps(reference, PROMPTS, 3), strict=True):
-        assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+        assert (ours - theirs).abs().max() <= 3e-5 * theirs.abs().max()
 
 
 @pytest.mark.parametrize("budget", [0, 2**30])

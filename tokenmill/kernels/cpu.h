@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -93,7 +94,9 @@ struct Vec {
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   // e^(s - shift), and 0 where s is -inf (a masked score) or shift is (nothing seen yet)
@@ -144,7 +147,9 @@ struct Vec {
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static float sum(F v) { return hsum(v); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F exp_or_zero(F s, F shift) {
@@ -219,11 +224,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // one of what is left), a tile's n rows side by side (their values 4 at a time, their scales and sums one at a
 // time), so that the kernel reaches all of them through one pointer and fixed offsets; one row is laid out as itself.
 struct QuantizedRows {
-  std::vector<int8_t> q;        // [tiles, in / 4, n, 4]
-  std::vector<float> scale;     // [tiles, in / 32, n]
-  std::vector<int32_t> isums;   // [tiles, in / sub, n]
-  std::vector<int32_t> starts;  // [tiles, in / sub, n]: -zero * isums, where a sub-block's integer sum starts
-  std::vector<float> xsums;     // [tiles, in / sub, n]: scale * isums, what the weights' shift multiplies
+  // An array left uninitialized: quantize_rows writes every value (a std::vector's zero fill was a pass of its own,
+  // measurable at a decode step's few rows).
+  template <typename T>
+  struct Array {
+    std::unique_ptr<T[]> values;
+    explicit Array(int64_t n) : values(new T[n]) {}
+    T* data() { return values.get(); }
+    const T* data() const { return values.get(); }
+    T operator[](int64_t i) const { return values[i]; }
+  };
+  Array<int8_t> q;        // [tiles, in / 4, n, 4]
+  Array<float> scale;     // [tiles, in / 32, n]
+  Array<int32_t> isums;   // [tiles, in / sub, n]
+  Array<int32_t> starts;  // [tiles, in / sub, n]: -zero * isums, where a sub-block's integer sum starts
+  Array<float> xsums;     // [tiles, in / sub, n]: scale * isums, what the weights' shift multiplies (shifted only)
 };
 
 // Output rows interleaved in a quantized weight's group (quant.cpp describes the layout).

@@ -7,17 +7,50 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cpu.h"
 
 namespace {
 
+#if defined(TOKENMILL_VEC)
+// rms_rows on fp32 rows of whole vectors: each lane sums its share of the squares (the scalar loop's one running
+// sum, a chain of dependent adds, was most of a few-row decode step's norms).
+void vector_rows(float* x, const float* residual, const float* weight, float* out, int64_t begin, int64_t end,
+                 int64_t dim, float eps) {
+  using tokenmill::Vec;
+  for (int64_t r = begin; r < end; ++r) {
+    float* xr = x + r * dim;
+    Vec::F squares = Vec::zero();
+    for (int64_t j = 0; j < dim; j += Vec::kLanes) {
+      Vec::F v = Vec::load(xr + j);
+      if (residual) {
+        v = Vec::add(v, Vec::load(residual + r * dim + j));
+        Vec::store(xr + j, v);
+      }
+      squares = Vec::fma(v, v, squares);
+    }
+    const Vec::F inv = Vec::set1(1.f / std::sqrt(Vec::sum(squares) / static_cast<float>(dim) + eps));
+    for (int64_t j = 0; j < dim; j += Vec::kLanes)
+      Vec::store(out + r * dim + j, Vec::mul(Vec::mul(Vec::load(xr + j), inv), Vec::load(weight + j)));
+  }
+}
+#endif
+
 // out = x / rms(x) * weight per row, statistics in fp32; with residual, x += residual first (rounded to x's dtype,
 // as x + residual would be) and the sum is what is normalized.
 template <typename T>
 void rms_rows(T* x, const T* residual, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, 32, [&](int64_t begin, int64_t end) {
+#if defined(TOKENMILL_VEC)
+    if constexpr (std::is_same_v<T, float>) {  // the fused decode layer's rows: the sums in vector lanes
+      if (dim % tokenmill::Vec::kLanes == 0) {
+        vector_rows(x, residual, weight, out, begin, end, dim, eps);
+        return;
+      }
+    }
+#endif
     std::vector<float> row(dim);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;

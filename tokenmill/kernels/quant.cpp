@@ -69,84 +69,114 @@ constexpr int64_t kRowTile = 8;  // activation rows that share one unpacking of 
 using tokenmill::QuantizedMatrix;
 using tokenmill::QuantizedRows;
 
-// Row x's block of 32 as fp32 (bf16 widened exactly) into v.
+// A block of 32 values (fp32, or bf16 widened exactly) quantized to int8 at scale amax / 127, each rounded to nearest
+// (ties to even) as std::nearbyint does, into dst; sums: the codes' sums of each half. Returns the scale.
 template <typename T>
-inline void block_floats(const T* x, float* v) {
+inline float quantize_block(const T* x, int8_t* dst, int32_t* sums) {
+#if defined(__AVX512F__)
+  __m512 lo, hi;
+  if constexpr (std::is_same_v<T, float>) {
+    lo = _mm512_loadu_ps(x);
+    hi = _mm512_loadu_ps(x + 16);
+  } else {  // a bf16 is the top half of an fp32
+    const auto widen = [](const T* p) {
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    };
+    lo = widen(x);
+    hi = widen(x + 16);
+  }
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  // max_ps gives its second operand where the first is NaN: a NaN value is passed over, as std::max does
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(hi, magnitude),
+                                                        _mm512_max_ps(_mm512_and_ps(lo, magnitude),
+                                                                      _mm512_setzero_ps())));
+  const float d = amax / 127.f;
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  // cvtps_epi32 rounds as nearbyint does (to nearest even, the default mode); cvtepi32_epi8 keeps the low byte as
+  // static_cast<int8_t> does
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+  const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qlo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qhi));
+  sums[0] = _mm512_reduce_add_epi32(qlo);
+  sums[1] = _mm512_reduce_add_epi32(qhi);
+  return d;
+#else
+  alignas(32) float v[kBlock];
   for (int64_t j = 0; j < kBlock; ++j) v[j] = static_cast<float>(x[j]);
+  alignas(32) int32_t codes[kBlock];
+#if defined(TOKENMILL_AVX2)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 most = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kBlock; j += 8)
+    most = _mm256_max_ps(_mm256_and_ps(_mm256_load_ps(v + j), magnitude), most);  // NaN passed over
+  const float amax = tokenmill::hmax(most);
+  const float d = amax / 127.f;
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  for (int64_t j = 0; j < kBlock; j += 8)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes + j),
+                       _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + j), _mm256_set1_ps(inv))));
+#else
+  float amax = 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+  const float d = amax / 127.f;
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) codes[j] = static_cast<int32_t>(std::nearbyint(v[j] * inv));
+#endif
+  sums[0] = sums[1] = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    dst[j] = static_cast<int8_t>(codes[j]);
+    sums[j / 16] += codes[j];
+  }
+  return d;
+#endif
 }
 
-// Rows quantized to int8 per block of 32, scale amax / 127, each value rounded to nearest (ties to even), as
-// std::nearbyint does; x fp32 or bf16 (a bf16 model's rows, not widened in a pass of their own). zero: the weights'
-// integer zero point as the kernel subtracts it (starts), shifted: whether the weights have a shift (xsums).
+// Rows quantized to int8 per block of 32 (quantize_block); x fp32 or bf16 (a bf16 model's rows, not widened in a
+// pass of their own). zero: the weights' integer zero point as the kernel subtracts it (starts), shifted: whether
+// the weights have a shift (xsums).
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, int64_t sub, int32_t zero, bool shifted) {
   const int64_t blocks = in / kBlock, groups = in / sub, parts = kBlock / sub;  // parts: 1, or 2 halves of 16
-  QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
-                    std::vector<int32_t>(rows * groups), std::vector<int32_t>(rows * groups),
-                    std::vector<float>(shifted ? rows * groups : 0)};
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float v[kBlock];
-    alignas(64) int8_t dst[kBlock];
+  QuantizedRows out{QuantizedRows::Array<int8_t>(rows * in), QuantizedRows::Array<float>(rows * blocks),
+                    QuantizedRows::Array<int32_t>(rows * groups), QuantizedRows::Array<int32_t>(rows * groups),
+                    QuantizedRows::Array<float>(shifted ? rows * groups : 0)};
+  // the raw pointers, restrict: the int8 stores would otherwise make the compiler reload every array's address
+  int8_t* __restrict const q = out.q.data();
+  float* __restrict const scale = out.scale.data();
+  int32_t* __restrict const isums = out.isums.data();
+  int32_t* __restrict const starts = out.starts.data();
+  float* __restrict const xsums = out.xsums.data();
+  const auto quantize = [&](int64_t begin, int64_t end) {
+    alignas(64) int8_t codes[kBlock];
     for (int64_t r = begin; r < end; ++r) {
-      // the row's tile starts at row 8 * tile and holds n rows: 8, or fewer in the last
+      // the row's tile starts at row 8 * tile and holds n rows: 8, or fewer in the last; i: the row's place in it
       const int64_t tile = r / kRowTile, i = r % kRowTile, n = std::min(kRowTile, rows - tile * kRowTile);
+      int8_t* const row_q = q + tile * kRowTile * in + i * 4;  // the row's four values at (b * 8 + u) * n * 4
+      const int64_t first = tile * kRowTile * groups + i;       // its sums at first + k * n
+      float* const row_scale = scale + tile * kRowTile * blocks + i;
       for (int64_t b = 0; b < blocks; ++b) {
-        block_floats(x + r * in + b * kBlock, v);
-        int32_t sums[2] = {0, 0};
-#if defined(__AVX512F__)
-        const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-        const __m512 lo = _mm512_load_ps(v), hi = _mm512_load_ps(v + 16);
-        // max_ps gives its second operand where the first is NaN: a NaN value is passed over, as std::max does
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(hi, magnitude),
-                                                              _mm512_max_ps(_mm512_and_ps(lo, magnitude),
-                                                                            _mm512_setzero_ps())));
-        const float d = amax / 127.f;
-        const float inv = d > 0.f ? 1.f / d : 0.f;
-        // cvtps_epi32 rounds as nearbyint does (to nearest even, the default mode); cvtepi32_epi8 keeps the low byte
-        // as static_cast<int8_t> does
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qlo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qhi));
-        sums[0] = _mm512_reduce_add_epi32(qlo);
-        sums[1] = _mm512_reduce_add_epi32(qhi);
-#else
-        alignas(32) int32_t codes[kBlock];
-#if defined(TOKENMILL_AVX2)
-        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        __m256 most = _mm256_setzero_ps();
-        for (int64_t j = 0; j < kBlock; j += 8)
-          most = _mm256_max_ps(_mm256_and_ps(_mm256_load_ps(v + j), magnitude), most);  // NaN passed over
-        const float amax = tokenmill::hmax(most);
-        const float d = amax / 127.f;
-        const float inv = d > 0.f ? 1.f / d : 0.f;
-        for (int64_t j = 0; j < kBlock; j += 8)
-          _mm256_store_si256(reinterpret_cast<__m256i*>(codes + j),
-                             _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + j), _mm256_set1_ps(inv))));
-#else
-        float amax = 0.f;
-        for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-        const float d = amax / 127.f;
-        const float inv = d > 0.f ? 1.f / d : 0.f;
-        for (int64_t j = 0; j < kBlock; ++j) codes[j] = static_cast<int32_t>(std::nearbyint(v[j] * inv));
-#endif
-        for (int64_t j = 0; j < kBlock; ++j) {
-          dst[j] = static_cast<int8_t>(codes[j]);
-          sums[j / 16] += codes[j];
+        int32_t sums[2];
+        if (n == 1) {  // one row is laid out as itself
+          row_scale[b] = quantize_block(x + r * in + b * kBlock, row_q + b * kBlock, sums);
+        } else {
+          row_scale[b * n] = quantize_block(x + r * in + b * kBlock, codes, sums);
+          for (int64_t u = 0; u < kBlock / 4; ++u)  // the block's 8 fours to their places beside the tile's rows
+            std::memcpy(row_q + (b * (kBlock / 4) + u) * n * 4, codes + 4 * u, 4);
         }
-#endif
-        for (int64_t u = 0; u < kBlock / 4; ++u)  // the block's 8 fours to their places beside the tile's rows
-          std::memcpy(out.q.data() + tile * kRowTile * in + ((b * (kBlock / 4) + u) * n + i) * 4, dst + 4 * u, 4);
-        out.scale[tile * kRowTile * blocks + b * n + i] = d;
+        const float d = row_scale[b * n];
         for (int64_t p = 0; p < parts; ++p) {
-          const int64_t k = tile * kRowTile * groups + (b * parts + p) * n + i;
-          out.isums[k] = parts == 1 ? sums[0] + sums[1] : sums[p];
-          out.starts[k] = -zero * out.isums[k];
-          if (shifted) out.xsums[k] = d * static_cast<float>(out.isums[k]);
+          const int64_t k = first + (b * parts + p) * n;
+          const int32_t sum = parts == 1 ? sums[0] + sums[1] : sums[p];
+          isums[k] = sum;
+          starts[k] = -zero * sum;
+          if (shifted) xsums[k] = d * static_cast<float>(sum);
         }
       }
     }
-  });
+  };
+  at::parallel_for(0, rows, 16, quantize);  // a decode step's few rows on this thread
   return out;
 }
 
