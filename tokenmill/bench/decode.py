@@ -13,7 +13,9 @@ tokens greedily with ignore_eos. Decode speed is the tokens that arrive while ev
 --profile times the parts of 64 one-stream decode steps (schedule, the runner, sampling, update, emit; the GPU's
 time by CUDA events), then records 16 more with torch.profiler and prints the kernels a step and their time. Prints
 the median and range over the runs, and the weights' bytes read per second (each step reads every weight once: the
-quantized weights, or their dense copies where a step of many rows runs on them) where there are runs.
+quantized weights, or their dense copies where a step of many rows runs on them) where there are runs. "x 1 row":
+a step of that many streams over a one-stream step, the median over the runs of each run against the one-stream
+run beside it.
 --tensor-parallel-size: each size in its own run, --threads split among its ranks (their weights: rank 0's share).
 """
 
@@ -308,13 +310,16 @@ def main() -> None:
                 f"{'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
-        one_row = 1 / statistics.median(result[1]) if 1 in args.streams else None
+        ones = result[1] if 1 in args.streams else None
         for n in args.streams:
             speeds = result[n]
             step_bytes = result["weights_many" if n >= result["copies_from"] else "weights"]
             read = statistics.median(speeds) / n * step_bytes / 1e9  # steps a second x bytes a step
             step = n / statistics.median(speeds)  # seconds a step: each stream's token a step
-            ratio = f"{step / one_row:>7.2f}" if one_row else f"{'':>7}"
+            # each run's step over the one-stream run's beside it (the runs take turns), the median of those: the
+            # machine's drift between runs cancels, where a ratio of medians kept it
+            paired = [n * one / speed for one, speed in zip(ones, speeds, strict=True)] if ones else None
+            ratio = f"{statistics.median(paired):>7.2f}" if paired else f"{'':>7}"
             print(f"{dtype:<10} {mode} {n:>7} {statistics.median(speeds):>12.1f} {min(speeds):>9.1f} "
                   f"{max(speeds):>9.1f} {read:>12.1f} {step * 1e3:>8.2f} {ratio}")
         if "prefill" in result:
