@@ -94,6 +94,14 @@ def test_the_dequantize_kernel_gives_the_layouts_values(qtype: QType) -> None:
         dense = torch.ops.tokenmill.dequantize(weight.qweight, weight.scales, weight.mins, weight.sub, weight.zero,
                                                6, dtype)
         assert dense.dtype == dtype and torch.equal(dense, weight.dequantize(dtype))
+        rows = torch.tensor([5, 0, 5, 3])  # an embedding's lookup: any order, repeats
+        looked_up = torch.ops.tokenmill.dequantize(weight.qweight, weight.scales, weight.mins, weight.sub,
+                                                   weight.zero, 6, dtype, rows)
+        assert torch.equal(looked_up, weight.dequantize(dtype, rows=rows))
+    for outside in ([6], [-1]):  # a row outside the matrix is an error, not a read past it
+        with pytest.raises(RuntimeError, match="outside the matrix"):
+            torch.ops.tokenmill.dequantize(weight.qweight, weight.scales, weight.mins, weight.sub, weight.zero, 6,
+                                           torch.float32, torch.tensor(outside))
 
 
 @needs_kernels

@@ -641,20 +641,22 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   return out.to(out_type);
 }
 
-// The dense [out, in] matrix of dtype (fp32, bf16 or fp16): w = scale * (q - zero) + shift, each value computed
-// in fp32 and rounded once, as layers/quantized.py's QuantizedWeight.dequantize does in torch ops (which take ~8
-// passes over the matrix where this takes one). bf16 weights: their values.
+// The dense [out, in] matrix of dtype (fp32, bf16 or fp16), or its rows `rows` (count of them; nullptr: all):
+// w = scale * (q - zero) + shift, each value computed in fp32 and rounded once, as layers/quantized.py's
+// QuantizedWeight.dequantize does in torch ops (which take ~8 passes over the matrix where this takes one, and
+// ~15 ops for an embedding's few rows). bf16 weights: their values.
 template <int BITS, typename S, typename T>
-void dequantize_rows(const QuantizedMatrix& w, T* out) {
+void dequantize_rows(const QuantizedMatrix& w, const int64_t* rows, int64_t count, T* out) {
   const int64_t blocks = w.in / kBlock, groups = w.in / w.sub;
   const int64_t block_bytes = BITS * kLanes * 4;
-  at::parallel_for(0, w.out, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     float values[kBlock];
-    for (int64_t o = begin; o < end; ++o) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t o = rows ? rows[r] : r;
       const int64_t g = o / kLanes, lane = o % kLanes;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* at = w.q + (g * blocks + b) * block_bytes + lane * 4;
-        T* row = out + o * w.in + b * kBlock;
+        T* row = out + r * w.in + b * kBlock;
         if constexpr (BITS == 16) {
           for (int c = 0; c < 16; ++c)
             for (int half = 0; half < 2; ++half)
@@ -673,19 +675,31 @@ void dequantize_rows(const QuantizedMatrix& w, T* out) {
   });
 }
 
+// rows: the rows to take (an embedding's lookup, each checked against the matrix), or none: all of them.
 at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& shift,
-                      int64_t sub, int64_t zero, int64_t out_features, at::ScalarType dtype) {
+                      int64_t sub, int64_t zero, int64_t out_features, at::ScalarType dtype,
+                      const std::optional<at::Tensor>& rows) {
   const QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, out_features);
-  at::Tensor out = at::empty({w.out, w.in}, qweight.options().dtype(dtype));
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "dequantize to fp32, bf16 or fp16, not ", dtype);
+  at::Tensor index;
+  if (rows) {
+    index = rows->to(at::kLong).contiguous();
+    TORCH_CHECK(index.dim() == 1, "rows must be one dimension of row indices");
+    const int64_t* ids = index.data_ptr<int64_t>();
+    for (int64_t r = 0; r < index.numel(); ++r)
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < w.out, "row ", ids[r], " is outside the matrix's ", w.out, " rows");
+  }
+  const int64_t* ids = rows ? index.data_ptr<int64_t>() : nullptr;
+  const int64_t count = rows ? index.numel() : w.out;
+  at::Tensor out = at::empty({count, w.in}, qweight.options().dtype(dtype));
   tokenmill::with_layout(w, [&](auto bits, auto, auto s) {
     constexpr int kBits = decltype(bits)::value;
     using S = decltype(s);
     switch (dtype) {
-      case at::kFloat: dequantize_rows<kBits, S>(w, out.data_ptr<float>()); break;
-      case at::kBFloat16: dequantize_rows<kBits, S>(w, out.data_ptr<at::BFloat16>()); break;
-      default: dequantize_rows<kBits, S>(w, out.data_ptr<at::Half>()); break;
+      case at::kFloat: dequantize_rows<kBits, S>(w, ids, count, out.data_ptr<float>()); break;
+      case at::kBFloat16: dequantize_rows<kBits, S>(w, ids, count, out.data_ptr<at::BFloat16>()); break;
+      default: dequantize_rows<kBits, S>(w, ids, count, out.data_ptr<at::Half>()); break;
     }
   });
   return out;
@@ -784,7 +798,7 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("tiles_available() -> bool", &tokenmill::tiles_available);
   m.def("built_with() -> str[]", &built_with);
   m.def("dequantize(Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, int out_features, "
-        "ScalarType dtype) -> Tensor");
+        "ScalarType dtype, Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import backend
 from tokenmill.kernels import gpu
 
 INTERLEAVE = 16  # output rows a group interleaves: kInterleave in kernels/cpu.h
@@ -274,5 +275,11 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.dequantize(self.dtype, rows=ids.flatten()).view(*ids.shape, -1)
+        w = self.weight
+        if isinstance(w, QuantizedWeight) and backend.cpu_kernels(ids.device):  # one C++ pass, the same values
+            rows = torch.ops.tokenmill.dequantize(w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features,
+                                                  self.dtype, ids.flatten())
+        else:
+            rows = w.dequantize(self.dtype, rows=ids.flatten())
+        return rows.view(*ids.shape, -1)
 
