@@ -1,5 +1,6 @@
 """`python -m tokenmill.bench.matmul` on a tiny random model quantized to Q4_1: every matrix of its first layer and
-the head at each row count, then every layer's matrices a pass, the one-row pass the unit of the ratios."""
+the head at each row count, then every layer's matrices a pass, the one-row pass the unit of the ratios, then a
+decode step's forward over a paged pool, alternated with a one-row one."""
 
 from __future__ import annotations
 
@@ -26,10 +27,14 @@ def test_the_matmul_bench_times_each_matrix_and_a_pass_of_every_layer(tmp_path: 
     assert {"model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"} <= names
     assert len(matrices) == 2 * len(names)  # each at both row counts
     assert all(float(line.split()[-2]) > 0 for line in matrices)  # GOP/s
-    passes = lines[lines.index(next(line for line in lines if line.startswith("every layer's"))) + 2:]
+    start = lines.index(next(line for line in lines if line.startswith("every layer's"))) + 2
+    passes = lines[start:start + 2]
     assert [p.split()[0] for p in passes] == ["1", "3"]
     assert passes[0].split()[-1] == "1.00"  # the one-row pass against itself
     assert float(passes[1].split()[-1]) > 0
+    forward = lines[lines.index(next(line for line in lines if line.startswith("a decode step's forward"))) + 2:]
+    assert [f.split()[0] for f in forward] == ["1", "3"]
+    assert forward[0].split()[-1] == "1.00" and float(forward[1].split()[1]) > 0  # ms a step
 
 
 def test_the_matmul_bench_refuses_a_model_without_kernel_matrices(tmp_path: Path, monkeypatch) -> None:

@@ -1,9 +1,9 @@
 """The C++ kernels' matmuls of a model alone (a GGUF's quantized matrices; a bf16 model's, in the kernels' 16-bit
-layout), at the row counts of decode, speculative verify and prefill steps.
+layout), at the row counts of decode, speculative verify and prefill steps, and a decode step's whole forward.
 
-    python -m tokenmill.bench.matmul [MODEL] [--rows 1 5 8 32 512] [--runs 9] [--threads 2]
+    python -m tokenmill.bench.matmul [MODEL] [--rows 1 5 8 32 512] [--runs 9] [--threads 2] [--context 256]
 
-Two measures, each a median (and the fastest) over --runs:
+Three measures, each a median (and the fastest) over --runs:
 
 **Each matrix.** Every distinct matrix of the first layer, and the output head, called on random bf16 rows of each
 count: milliseconds a call and GOP/s (2 x rows x in x out integer or float operations over the time). The matrix
@@ -13,6 +13,12 @@ arithmetic.
 **A step's matrices.** Every layer's matrices in turn at each row count, as a decode step reads them: their bytes
 from memory once a pass. Milliseconds a pass, its GB/s, and its time over the one-row pass: what a step of that many
 rows costs against a step of one, in the matmuls (the step's target for a 5-row speculative verify is 1.3x).
+
+**A decode step's forward.** The model's forward at each row count up to 64 (a decode step's), each row a sequence of --context keys in a
+paged KV pool (every layer as the engine runs it, fused where it can, then the head), alternated with a one-row
+forward --runs times: milliseconds a step, and the median over the alternations of each one's time over the one-row
+step beside it (the machine's drift between them cancels). The engine's step adds the scheduler, the sampler and
+the output around it (python -m tokenmill.bench.decode).
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ from collections.abc import Callable
 
 import torch
 
+from tokenmill.cache import metadata
+from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, WeightPlan
+from tokenmill.layers.attention import SequenceSlice
 from tokenmill.layers.quantized import QuantizedLinear
-from tokenmill.loader import load_model
+from tokenmill.loader import LoadedModel, load_model
 
 
 def _times(call: Callable[[], object], runs: int, repeat: int = 1) -> list[float]:
@@ -44,16 +53,51 @@ def _rows(count: int, features: int) -> torch.Tensor:
     return torch.randn(count, features, generator=torch.Generator().manual_seed(count)).to(torch.bfloat16)
 
 
+def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: int) -> None:
+    """A decode step's forward at each row count, alternated with a one-row step (the module's docstring)."""
+    c, block = loaded.config, 16
+    counts = [count for count in counts if count <= 64]
+    rows = max(counts, default=1)
+    spec = KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype, c.sliding_layers, c.sliding_window)
+    cache = PagedKVCache(spec, loaded.device, num_blocks=rows * (context // block + 1) + 1, block_size=block)
+    for seq in range(rows):
+        assert cache.reserve(seq, context + 1, context + 1)
+
+    def step(count: int) -> Callable[[], object]:
+        slices = [SequenceSlice(seq, context, 1) for seq in range(count)]
+        ids, positions = torch.full((count,), 100), torch.full((count,), context)
+
+        def call() -> object:
+            with torch.inference_mode():
+                return loaded.model.compute_logits(loaded.model(ids, positions, metadata.prepare(cache, slices)))
+        return call
+
+    calls = {count: step(count) for count in sorted({1, *counts})}
+    for call in calls.values():
+        call()  # warm-up
+    times: dict[int, list[float]] = {count: [] for count in calls}
+    for _ in range(runs):
+        for count, call in calls.items():
+            times[count] += _times(call, 1, repeat=5)
+    print(f"\na decode step's forward, each row a sequence of {context} keys, alternated with one row's")
+    print(f"{'rows':>5s} {'ms a step':>18s} {'x 1 row':>8s}")
+    for count in counts:
+        ratio = statistics.median(t / one for t, one in zip(times[count], times[1], strict=True))
+        print(f"{count:5d} {statistics.median(times[count]) * 1e3:9.3f} ({min(times[count]) * 1e3:.3f}) {ratio:8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=EngineConfig.model)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 32, 512])
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--context", type=int, default=256, help="keys each row of a decode step sees")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    net = load_model(args.model, WeightPlan(dtype="bfloat16", device="cpu")).model
+    loaded = load_model(args.model, WeightPlan(dtype="bfloat16", device="cpu"))
+    net = loaded.model
     assert isinstance(net, torch.nn.Module)
     linears = {name: m for name, m in net.named_modules() if isinstance(m, QuantizedLinear)}
     if not linears:
@@ -92,6 +136,7 @@ def main() -> None:
             one_row = median
         ratio = f"{median / one_row:8.2f}" if one_row else ""
         print(f"{count:5d} {median * 1e3:9.3f} ({min(times) * 1e3:.3f}) {nbytes / median / 1e9:6.1f} {ratio}")
+    _forward_steps(loaded, args.rows, args.runs, args.context)
 
 if __name__ == "__main__":
     main()
