@@ -14,11 +14,11 @@ arithmetic.
 from memory once a pass. Milliseconds a pass, its GB/s, and its time over the one-row pass: what a step of that many
 rows costs against a step of one, in the matmuls (the step's target for a 5-row speculative verify is 1.3x).
 
-**A decode step's forward.** The model's forward at each row count up to 64 (a decode step's), each row a sequence of --context keys in a
-paged KV pool (every layer as the engine runs it, fused where it can, then the head), alternated with a one-row
-forward --runs times: milliseconds a step, and the median over the alternations of each one's time over the one-row
-step beside it (the machine's drift between them cancels). The engine's step adds the scheduler, the sampler and
-the output around it (python -m tokenmill.bench.decode).
+**A decode step's forward.** The model's forward at each row count up to 64 (a decode step's), each row a
+sequence of --context keys in a paged KV pool (every layer as the engine runs it, fused where it can, then the
+head), alternated with a one-row forward --runs times: milliseconds a step, and the median over the alternations of
+each one's time over the one-row step beside it (the machine's drift between them cancels). The engine's step adds
+the scheduler, the sampler and the output around it (python -m tokenmill.bench.decode).
 """
 
 from __future__ import annotations
