@@ -57,6 +57,13 @@ class Pool:
     v: torch.Tensor
     tables: dict[int, list[int]] = field(default_factory=dict)  # sequence -> its blocks, in order
     live: Counter[int] = field(default_factory=Counter)  # block -> how many live sequences' tables hold it
+    # Each layer's [blocks + 2, block size, kv heads, dim] of k and v, made once: a step's 2 x layers views were
+    # that many tensor selects from Python (~3 us each).
+    k_layers: tuple[torch.Tensor, ...] = field(init=False)
+    v_layers: tuple[torch.Tensor, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     @staticmethod
     def build(spec: KVSpec, num_layers: int, num_blocks: int, block_size: int, device: torch.device) -> Pool:

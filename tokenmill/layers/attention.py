@@ -67,6 +67,15 @@ class PagedMetadata:
     # and tables; the same rows), and each layer's pool (True: the sliding one) and index among its layers.
     sliding: PagedMetadata | None = None
     layer_pools: tuple[tuple[bool, int], ...] = ()
+    # Each layer's slice of k_cache and v_cache, as the pool keeps them (() : sliced here, layer by layer).
+    k_layers: tuple[torch.Tensor, ...] = ()
+    v_layers: tuple[torch.Tensor, ...] = ()
+
+    def kv_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's [blocks, block size, kv heads, dim] of k and v in this pool (layer: its index here)."""
+        if self.k_layers:
+            return self.k_layers[layer], self.v_layers[layer]
+        return self.k_cache[layer], self.v_cache[layer]
 
     def of_layer(self, layer: int) -> tuple[PagedMetadata, int]:
         """The step over the pool that holds layer's KV, and the layer's index in that pool's tensors."""
@@ -159,7 +168,7 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float, window: int) -> torch.Tensor:
     """Attention over the pool, this step's K/V already written to it (meta: the step over the layer's pool, layer:
     its index there)."""
-    k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]  # [blocks, block size, kv heads, dim]
+    k_cache, v_cache = meta.kv_of(layer)  # [blocks, block size, kv heads, dim]
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     b = meta.num_decodes
     if meta.row_tables is not None:  # deterministic: one kernel for every row (checked at load: it is built)
@@ -230,7 +239,7 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, met
     window > 0: a sliding layer's, each query sees the `window` keys up to its own (masked out of a full KV cache)."""
     if isinstance(meta, PagedMetadata):
         meta, layer = meta.of_layer(layer)
-        k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
+        k_cache, v_cache = meta.kv_of(layer)
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
         return _attend_paged(layer, q, meta, scale, window)
@@ -248,11 +257,10 @@ def fused_rotary_attention(layer: int, qkv: torch.Tensor, rope: tuple[torch.Tens
     meta, layer = meta.of_layer(layer)
     cos, sin = rope
     if backend.gpu_runs(qkv):
-        q = gpu.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer], meta.slot_mapping, heads,
-                              kv_heads)
+        q = gpu.rope_store_kv(qkv, cos, sin, *meta.kv_of(layer), meta.slot_mapping, heads, kv_heads)
     elif backend.cpu_kernels(qkv.device):
-        q = torch.ops.tokenmill.rope_store_kv(qkv, cos, sin, meta.k_cache[layer], meta.v_cache[layer],
-                                              meta.slot_mapping, heads, kv_heads)
+        q = torch.ops.tokenmill.rope_store_kv(qkv, cos, sin, *meta.kv_of(layer), meta.slot_mapping, heads,
+                                              kv_heads)
     else:
         return None
     return _attend_paged(layer, q, meta, scale, window)

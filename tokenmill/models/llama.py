@@ -275,7 +275,7 @@ class LlamaModel(nn.Module):
                            *fused_factors((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))]
                 lora = {"lora_rank": self.lora.rank}
             pending = torch.ops.tokenmill.decode_layer(
-                x, pending, weights, layouts, cos, sin, pool.k_cache[index], pool.v_cache[index], pool.slot_mapping,
+                x, pending, weights, layouts, cos, sin, *pool.kv_of(index), pool.slot_mapping,
                 tables[pool is not meta], meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale,
                 tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu, bf16_rows, *tp, **lora)
         return pending
