@@ -55,9 +55,8 @@ def _view(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice], decodes:
     # On CPU with the C++ kernels, each chunk through the prefill kernel (where the A/B switch leaves it on).
     prefill_kernel = bool(chunks) and cache.prefill_kernel and backend.cpu_kernels(device)
     return PagedMetadata(
-        k_cache=pool.k, v_cache=pool.v, k_layers=pool.k_layers, v_layers=pool.v_layers,
-        slot_mapping=_slots(cache, pool, slices), num_decodes=len(lengths),
-        decode_tables=_row_tables(cache, pool, decodes).flatten(), decode_lengths=lengths,
+        k_layers=pool.k_layers, v_layers=pool.v_layers, slot_mapping=_slots(cache, pool, slices),
+        num_decodes=len(lengths), decode_tables=_row_tables(cache, pool, decodes).flatten(), decode_lengths=lengths,
         prefills=[] if batch else [(s, torch.tensor(pool.tables[s.seq_id], device=device)) for s in chunks],
         prefill_batch=batch, row_tables=None if row_lengths is None else _row_tables(cache, pool, slices),
         row_lengths=row_lengths, prefill_kernel=prefill_kernel)

@@ -97,8 +97,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         kv = self.kv_cache
         meta = metadata.joined(kv, [PagedMetadata(
-            k_cache=pool.k, v_cache=pool.v, k_layers=pool.k_layers, v_layers=pool.v_layers,
-            slot_mapping=self.inputs[3 + i, :size], num_decodes=size,
+            k_layers=pool.k_layers, v_layers=pool.v_layers, slot_mapping=self.inputs[3 + i, :size], num_decodes=size,
             decode_tables=self.tables[i, :size].view(-1), decode_lengths=self.inputs[2, :size], prefills=[])
             for i, pool in enumerate(kv.pools)])
         hidden = self.model(self.inputs[0, :size], self.inputs[1, :size], meta)

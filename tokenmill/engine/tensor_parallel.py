@@ -332,9 +332,8 @@ def _map_arrays(obj: Any, convert: Callable[[Any], Any], kind: type) -> Any:
 
 
 def _without_pools(meta: PagedMetadata) -> PagedMetadata:
-    none = torch.empty(0)
     sliding = None if meta.sliding is None else _without_pools(meta.sliding)
-    return dataclasses.replace(meta, k_cache=none, v_cache=none, k_layers=(), v_layers=(), sliding=sliding)
+    return dataclasses.replace(meta, k_layers=(), v_layers=(), sliding=sliding)
 
 
 def _meta_to_wire(meta: PagedMetadata) -> PagedMetadata:
@@ -343,11 +342,9 @@ def _meta_to_wire(meta: PagedMetadata) -> PagedMetadata:
 
 def _meta_from_wire(meta: PagedMetadata, cache: PagedKVCache, device: torch.device) -> PagedMetadata:
     meta = _map_arrays(meta, lambda a: torch.from_numpy(a).to(device), np.ndarray)
-    meta.k_cache, meta.v_cache = cache.full.k, cache.full.v
     meta.k_layers, meta.v_layers = cache.full.k_layers, cache.full.v_layers
     if meta.sliding is not None:
         assert cache.sliding is not None
-        meta.sliding.k_cache, meta.sliding.v_cache = cache.sliding.k, cache.sliding.v
         meta.sliding.k_layers, meta.sliding.v_layers = cache.sliding.k_layers, cache.sliding.v_layers
     return meta
 

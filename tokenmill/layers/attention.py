@@ -47,8 +47,9 @@ class PagedMetadata:
     """A step over a paged pool. Decode rows (one new token of a sequence each, or the tokens of an as_decodes
     slice, one row each) come first in the flat batch."""
 
-    k_cache: torch.Tensor  # [layers, blocks, block size, kv heads, dim]
-    v_cache: torch.Tensor
+    # Each layer's [blocks, block size, kv heads, dim] of the pool's k and v, as the pool keeps them (Pool.k_layers)
+    k_layers: tuple[torch.Tensor, ...]
+    v_layers: tuple[torch.Tensor, ...]
     slot_mapping: torch.Tensor  # [tokens]: where each new token's K/V goes in the flattened pool
     num_decodes: int
     decode_tables: torch.Tensor  # [decodes * max blocks]: each row's block table, flat, padded with the null block
@@ -67,15 +68,10 @@ class PagedMetadata:
     # and tables; the same rows), and each layer's pool (True: the sliding one) and index among its layers.
     sliding: PagedMetadata | None = None
     layer_pools: tuple[tuple[bool, int], ...] = ()
-    # Each layer's slice of k_cache and v_cache, as the pool keeps them (() : sliced here, layer by layer).
-    k_layers: tuple[torch.Tensor, ...] = ()
-    v_layers: tuple[torch.Tensor, ...] = ()
 
     def kv_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's [blocks, block size, kv heads, dim] of k and v in this pool (layer: its index here)."""
-        if self.k_layers:
-            return self.k_layers[layer], self.v_layers[layer]
-        return self.k_cache[layer], self.v_cache[layer]
+        return self.k_layers[layer], self.v_layers[layer]
 
     def of_layer(self, layer: int) -> tuple[PagedMetadata, int]:
         """The step over the pool that holds layer's KV, and the layer's index in that pool's tensors."""
