@@ -158,14 +158,12 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, int64_t sub, i
       float* const row_scale = scale + tile * kRowTile * blocks + i;
       for (int64_t b = 0; b < blocks; ++b) {
         int32_t sums[2];
-        if (n == 1) {  // one row is laid out as itself
-          row_scale[b] = quantize_block(x + r * in + b * kBlock, row_q + b * kBlock, sums);
-        } else {
-          row_scale[b * n] = quantize_block(x + r * in + b * kBlock, codes, sums);
-          for (int64_t u = 0; u < kBlock / 4; ++u)  // the block's 8 fours to their places beside the tile's rows
+        // one row is laid out as itself; a tile's rows take the block's 8 fours to their places beside each other
+        const float d = quantize_block(x + r * in + b * kBlock, n == 1 ? row_q + b * kBlock : codes, sums);
+        if (n > 1)
+          for (int64_t u = 0; u < kBlock / 4; ++u)
             std::memcpy(row_q + (b * (kBlock / 4) + u) * n * 4, codes + 4 * u, 4);
-        }
-        const float d = row_scale[b * n];
+        row_scale[b * n] = d;
         for (int64_t p = 0; p < parts; ++p) {
           const int64_t k = first + (b * parts + p) * n;
           const int32_t sum = parts == 1 ? sums[0] + sums[1] : sums[p];
@@ -683,15 +681,16 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "dequantize to fp32, bf16 or fp16, not ", dtype);
   at::Tensor index;
+  const int64_t* ids = nullptr;
+  int64_t count = w.out;
   if (rows) {
     index = rows->to(at::kLong).contiguous();
     TORCH_CHECK(index.dim() == 1, "rows must be one dimension of row indices");
-    const int64_t* ids = index.data_ptr<int64_t>();
-    for (int64_t r = 0; r < index.numel(); ++r)
+    ids = index.data_ptr<int64_t>();
+    count = index.numel();
+    for (int64_t r = 0; r < count; ++r)
       TORCH_CHECK(ids[r] >= 0 && ids[r] < w.out, "row ", ids[r], " is outside the matrix's ", w.out, " rows");
   }
-  const int64_t* ids = rows ? index.data_ptr<int64_t>() : nullptr;
-  const int64_t count = rows ? index.numel() : w.out;
   at::Tensor out = at::empty({count, w.in}, qweight.options().dtype(dtype));
   tokenmill::with_layout(w, [&](auto bits, auto, auto s) {
     constexpr int kBits = decltype(bits)::value;

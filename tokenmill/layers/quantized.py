@@ -197,8 +197,7 @@ class QuantizedLinear(nn.Module):
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight dequantized in one C++ pass (the same values as QuantizedWeight.dequantize)."""
-        w = self.weight
-        return torch.ops.tokenmill.dequantize(w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features, dtype)
+        return kernel_dequantize(self.weight, dtype)
 
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """x: [rows, in] -> [rows, out], in x's dtype, or fp32 where float_out asks (the kernel's sums as they are:
@@ -276,10 +275,14 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if isinstance(w, QuantizedWeight) and backend.cpu_kernels(ids.device):  # one C++ pass, the same values
-            rows = torch.ops.tokenmill.dequantize(w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features,
-                                                  self.dtype, ids.flatten())
+        if isinstance(w, QuantizedWeight) and backend.cpu_kernels(ids.device):
+            rows = kernel_dequantize(w, self.dtype, ids.flatten())
         else:
             rows = w.dequantize(self.dtype, rows=ids.flatten())
         return rows.view(*ids.shape, -1)
+
+
+def kernel_dequantize(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """w.dequantize(dtype, rows) in one C++ pass (kernels/quant.cpp), the same values bit for bit."""
+    return torch.ops.tokenmill.dequantize(w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features, dtype, rows)
 
