@@ -1,4 +1,5 @@
-"""`tokenmill serve [MODEL]`, `tokenmill chat [MODEL | --url URL]`, `tokenmill pull ALIAS` and `tokenmill bench`."""
+"""`tokenmill serve [MODEL]`, `tokenmill chat [MODEL | --url URL]`, `tokenmill pull ALIAS`, `tokenmill bench` and
+`tokenmill keys add TENANT --file FILE`."""
 
 from __future__ import annotations
 
@@ -83,6 +84,14 @@ def build_parser(bench_flags: bool = False) -> argparse.ArgumentParser:
     _add_dataclass_flags(chat, EngineConfig, skip={"model"})
     pull = sub.add_parser("pull", help="fetch an embedded default model into the cache")
     pull.add_argument("alias")
+    keys = sub.add_parser("keys", help="manage the keys file of --api-keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    add = keys_sub.add_parser("add", help="make a new key for a tenant (its table made where it has none): the key "
+                                          "is printed once, only its hash is written to the file")
+    add.add_argument("tenant", help="the tenant's name: letters, digits, '_', '.' or '-'")
+    add.add_argument("--file", required=True, help="the keys file (made where it does not exist)")
+    add.add_argument("--role", choices=["user", "admin"], default="user", help="a new tenant's role "
+                     "(default: %(default)s)")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (see docs/performance/bench.md)")
     if bench_flags:
         _add_bench_flags(bench)
@@ -124,6 +133,7 @@ def with_env_api_keys(config: ServerConfig) -> ServerConfig:
 def serve(engine_config: EngineConfig, server_config: ServerConfig, models: list[str] | None = None) -> int:
     """Serve until SIGTERM (exit code 0) or until an engine dies (1). models: the MODEL arguments (none: the
     models file's, or engine_config.model)."""
+    from tokenmill.api.app import open_tenancy
     from tokenmill.api.response_store import open_store
     from tokenmill.api.server import build_server, listen
     from tokenmill.config import parse_size
@@ -132,7 +142,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, models: list
 
     log = logging.getLogger(__name__)
     server_config = with_env_api_keys(server_config)
-    if not server_config.api_key and server_config.host not in ("127.0.0.1", "localhost", "::1"):
+    if not (server_config.api_key or server_config.api_keys) and \
+            server_config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)",
                     server_config.host)
     # Before the model loads, so that a mistyped flag or a busy port is said at once (the engine checks its settings
@@ -146,10 +157,11 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, models: list
     specs = specs_from_args(models or [], engine_config, server_config)
     listeners = listen(server_config.host, server_config.port)
     store = open_store(server_config)
+    tenancy = open_tenancy(server_config, store)  # a keys file with a mistake stops the start, naming its line
     budget = parse_size(server_config.max_memory) if server_config.max_memory else None
     pool = ModelPool(specs, budget, server_config.model_load_timeout)
     pool.preload()  # the models that fit, in order, each on its engine thread
-    server = build_server(pool, server_config, store=store, graceful_timeout=5)
+    server = build_server(pool, server_config, store=store, tenancy=tenancy, graceful_timeout=5)
     log.info("serving %s on http://%s:%d/v1", ", ".join(s.name for s in specs), server_config.host,
              listeners[0].getsockname()[1])
     server.run(sockets=listeners)
@@ -191,6 +203,15 @@ def main(argv: list[str] | None = None) -> None:
                                args.temperature, args.max_tokens))
         elif args.command == "bench":
             sys.exit(_bench_main()(args))
+        elif args.command == "keys":
+            from pathlib import Path
+
+            from tokenmill.tenants.keys import add_key
+
+            key = add_key(Path(args.file), args.tenant, args.role)
+            print(key)
+            print(f"tokenmill: a new key of {args.tenant}, its hash written to {args.file}; the key is shown only "
+                  "this once", file=sys.stderr)
     except (ModelFormatError, ConfigError) as exc:
         print(f"tokenmill: {exc}", file=sys.stderr)
         sys.exit(2)

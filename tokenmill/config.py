@@ -111,12 +111,12 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
               "chat_template"),
     "several models": ("models_file", "max_memory", "keep_alive", "model_load_timeout"),
     "scheduling and KV memory": ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_queued_requests",
-                                 "seed", "deterministic"),
+                                 "fair_share", "seed", "deterministic"),
     "LoRA adapters": ("lora", "enable_lora", "max_loras", "max_lora_rank"),
     "tensor parallelism": ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"),
     "speculative decoding": ("speculative", "draft_model", "num_speculative_tokens", "prompt_lookup_min",
                              "prompt_lookup_max", "speculative_max_seqs"),
-    "server": ("host", "port", "served_model_name", "log_level", "ui", "api_key", "allowed_origins",
+    "server": ("host", "port", "served_model_name", "log_level", "ui", "api_key", "api_keys", "allowed_origins",
                "shutdown_timeout"),
     "API: limits and features": ("max_request_bytes", "max_json_depth", "max_seqs_per_request", "max_messages",
                                  "max_stop", "max_embedding_inputs", "max_logit_bias", "chat_template_timeout",
@@ -161,6 +161,9 @@ class EngineConfig:
                                              "free GPU memory on CUDA, at most what max-num-seqs full contexts need)")
     max_queued_requests: int = option(256, "sequences that may wait for a slot; beyond, requests get 429 with "
                                            "Retry-After")
+    fair_share: bool = option(True, "with tenants (--api-keys): admit and preempt by the tokens each tenant was "
+                                    "served recently against its weight, so no tenant's burst starves another "
+                                    "(off: first come, first served)")
     seed: int = option(0, "seed of the sampler for requests that give none")
     chat_template: str | None = option(None, "a Jinja chat template file to use instead of the model's own")
     pooling: str = option("last", "/v1/embeddings: the prompt's final hidden states pooled as last (the last "
@@ -327,6 +330,10 @@ class ServerConfig:
     api_key: tuple[str, ...] = option((), "accept only requests that carry one of these keys as a Bearer token (every "
                                           "route but /health); repeat for several; default: $TOKENMILL_API_KEY, "
                                           "comma-separated, or none")
+    api_keys: str | None = option(None, "a TOML file of tenants and their keys' hashes, with each tenant's limits, "
+                                        "allowed models, fair-share weight and role (docs/features/tenants.md; "
+                                        "`tokenmill keys add NAME --file FILE` makes a key); re-read on SIGHUP "
+                                        "and when it changes")
     allowed_origins: tuple[str, ...] = option((), "origins allowed cross-origin requests (CORS), e.g. "
                                                   "http://localhost:3000 or *; default: CORS off")
     shutdown_timeout: float = option(30.0, "seconds that SIGTERM lets in-flight requests finish before aborting them")

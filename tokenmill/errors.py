@@ -35,6 +35,20 @@ class ModelNotFoundError(NotFoundError):
     """The request names a model this server does not serve."""
 
 
+class PermissionDeniedError(RequestError):
+    """The key is valid, but may not do this (a model outside its list, an admin's route)."""
+
+
+class RateLimitError(TokenmillError):
+    """A tenant's limit is reached: `kind` is what ran out (requests or tokens), `retry_after` the seconds until the
+    request would fit (inf: it never will, being larger than the limit)."""
+
+    def __init__(self, message: str, kind: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retry_after = retry_after
+
+
 class ServerBusyError(TokenmillError):
     """The waiting queue is full: the request may succeed later."""
 

@@ -89,9 +89,10 @@ def test_a_conversation_continues_from_its_stored_response_across_a_restart(smol
         for missing in (unstored.id, "resp_nope"):
             with pytest.raises(openai.NotFoundError):
                 client.responses.retrieve(missing)
-            with pytest.raises(openai.BadRequestError) as raised:
+            with pytest.raises(openai.NotFoundError) as raised:  # OpenAI's answer, 404
                 client.responses.create(model=MODEL, input="x", previous_response_id=missing)
             assert raised.value.body["param"] == "previous_response_id"
+            assert raised.value.code == "previous_response_not_found"
         deleted = httpx.delete(f"{second.base_url}/responses/{one.id}").json()
         assert deleted == {"id": one.id, "object": "response", "deleted": True}
         with pytest.raises(openai.NotFoundError):
@@ -120,7 +121,7 @@ def test_a_response_the_store_cannot_keep_is_answered_as_not_stored(smollm_serve
         for unstored in (plain.id, streamed.id):
             with pytest.raises(openai.NotFoundError):
                 client.responses.retrieve(unstored)
-            with pytest.raises(openai.BadRequestError):
+            with pytest.raises(openai.NotFoundError):
                 client.responses.create(previous_response_id=unstored, **ask)
         with store._lock:
             store._db.execute("PRAGMA query_only = OFF")

@@ -9,6 +9,8 @@ import pytest
 
 from tokenmill.api.errors import error_body, error_response
 from tokenmill.api.guards import RequestGuard, ServingState, json_depth
+from tokenmill.tenants.keys import hash_key
+from tokenmill.tenants.tenancy import Tenancy
 
 LIMIT = 64  # body bytes
 DEPTH = 4
@@ -69,9 +71,11 @@ def call(guard: RequestGuard, body: bytes = b"{}", method: str = "POST", path: s
     return start["status"], error, {k.decode(): v.decode() for k, v in start["headers"]}
 
 
-def guard(keys: tuple[str, ...] = (), state: ServingState | None = None) -> tuple[RequestGuard, App]:
+def guard(keys: tuple[str, ...] = (), state: ServingState | None = None, tenancy: Tenancy | None = None
+          ) -> tuple[RequestGuard, App]:
     app = App()
-    return RequestGuard(app, state or ServingState(), keys, max_body_bytes=LIMIT, max_json_depth=DEPTH), app
+    tenancy = tenancy or Tenancy(None, keys)
+    return RequestGuard(app, state or ServingState(), tenancy, max_body_bytes=LIMIT, max_json_depth=DEPTH), app
 
 
 def padded(size: int) -> bytes:
@@ -193,3 +197,51 @@ def test_error_objects() -> None:
     response = error_response(429, "m", "t", "p", "c", headers={"Retry-After": "1"})
     assert response.status_code == 429 and response.headers["retry-after"] == "1"
     assert json.loads(response.body) == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
+
+
+def tenants(tmp_path, **alice) -> Tenancy:
+    settings = "".join(f"{k} = {v}\n" for k, v in alice.items())
+    path = tmp_path / "keys.toml"
+    keys = "".join(f'[[keys]]\ntenant = "{name}"\nsha256 = "{hash_key(key)}"\n'
+                   for name, key in (("alice", "a-key"), ("root", "r-key")))
+    path.write_text(f"[tenants.alice]\n{settings}\n[tenants.root]\nrole = \"admin\"\n\n{keys}")
+    return Tenancy(path)
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/stats", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_the_admin_routes_refuse_a_user_key(tmp_path, path: str) -> None:
+    g, app = guard(tenancy=tenants(tmp_path))
+    method = "POST" if "lora" in path else "GET"
+    status, error, _ = call(g, method=method, path=path, headers={"Authorization": "Bearer a-key"})
+    assert status == 403 and error["code"] == "admin_only" and app.body is None
+    assert call(g, method=method, path=path, headers={"Authorization": "Bearer r-key"})[0] == 200
+    assert call(g, method="GET", path="/v1/models", body=b"", headers={"Authorization": "Bearer a-key"})[0] == 200
+
+
+def test_requests_per_minute_are_counted_at_the_edge_with_the_headers_on_every_response(tmp_path) -> None:
+    g, app = guard(tenancy=tenants(tmp_path, requests_per_minute=2, tokens_per_minute=50))
+    alice = {"Authorization": "Bearer a-key"}
+    status, _, headers = call(g, headers=alice)
+    assert status == 200 and headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "1" and headers["x-ratelimit-remaining-tokens"] == "50"
+    assert headers["x-ratelimit-reset-requests"].endswith("s")
+    assert call(g, method="GET", path="/v1/models", body=b"", headers=alice)[0] == 200  # a GET is not counted
+    assert call(g, headers=alice)[0] == 200
+    status, error, headers = call(g, headers=alice)
+    assert status == 429 and error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+    assert headers["x-ratelimit-remaining-requests"] == "0" and 59 <= int(headers["retry-after"]) <= 60
+    assert int(headers["retry-after-ms"]) > 58_000
+    assert call(g, headers={"Authorization": "Bearer r-key"})[0] == 200  # another tenant's limits are its own
+
+
+def test_concurrent_requests_are_released_when_a_request_ends(tmp_path) -> None:
+    tenancy = tenants(tmp_path, max_concurrent_requests=1)
+    g, app = guard(tenancy=tenancy)
+    alice = {"Authorization": "Bearer a-key"}
+    assert call(g, headers=alice)[0] == 200 and call(g, headers=alice)[0] == 200  # one at a time: each ends
+    limits = tenancy.limits(tenancy.ring.tenants["alice"])
+    limits.admit()  # one in flight elsewhere
+    status, error, _ = call(g, headers=alice)
+    assert status == 429 and "concurrent" in error["message"]
+    limits.done()
+    assert call(g, headers=alice)[0] == 200 and limits.in_flight == 0

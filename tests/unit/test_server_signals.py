@@ -14,6 +14,7 @@ from starlette.types import Receive, Send
 
 from tokenmill.api.guards import RequestGuard, ServingState
 from tokenmill.api.server import TokenmillServer, listen
+from tokenmill.tenants.tenancy import Tenancy
 
 
 class IdleEngine:
@@ -43,10 +44,10 @@ def test_a_third_signal_stops_the_server_while_a_request_still_hangs() -> None:
         await send({"type": "http.response.body", "body": b""})
 
     state = ServingState()
-    app = RequestGuard(hang, state, api_keys=(), max_body_bytes=1024, max_json_depth=8)  # counts it in flight
+    app = RequestGuard(hang, state, Tenancy(None), max_body_bytes=1024, max_json_depth=8)  # counts it in flight
     sockets = listen("127.0.0.1", 0)
     server = TokenmillServer(uvicorn.Config(app, lifespan="off", log_level="warning"), IdleEngine(), state,
-                             shutdown_timeout=600)
+                             shutdown_timeout=600, tenancy=Tenancy(None))
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     client = None

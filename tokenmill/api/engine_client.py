@@ -7,13 +7,47 @@ import asyncio
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from tokenmill.engine.engine import Engine
-from tokenmill.engine.request import SequenceOutput
-from tokenmill.errors import EngineError, EngineUnavailableError, RequestError, ServerBusyError
+from tokenmill.engine.request import NOBODY, Owner, SequenceOutput
+from tokenmill.errors import EngineError, EngineUnavailableError, PermissionDeniedError, RequestError, ServerBusyError
 from tokenmill.sampling import SamplingParams
 from tokenmill.structured.backend import CompiledGrammar
+from tokenmill.tenants.limits import TenantLimits
+from tokenmill.tenants.usage import Usage, UsageLedger
+
+
+@dataclass(frozen=True)
+class Account:
+    """Whom a request's sequences are served for and charged to: the tenant's name (usage goes by it, under
+    `model`), its limits (None: none), the engine's view of it (owner), and its cap on max_tokens."""
+
+    tenant: str = ""
+    model: str = ""
+    ledger: UsageLedger | None = None
+    limits: TenantLimits | None = None
+    owner: Owner = NOBODY
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class _Charge:
+    """What a sequence's end counts in its request's usage: its prompt once per prompt (its first choice's), the
+    request once (its first sequence's), as the answer's usage counts them."""
+
+    account: Account
+    prompt: bool = True
+    request: bool = True
+    recorded: list[bool] = field(default_factory=list)
+
+    def record(self, out: SequenceOutput) -> None:
+        if self.account.ledger is None or out.finish_reason == "error" or self.recorded:
+            return  # a failed sequence's answer is an error, with no usage
+        self.recorded.append(True)
+        usage = Usage(out.prompt_tokens if self.prompt else 0, out.completion_tokens,
+                      out.cached_tokens if self.prompt else 0, int(self.request))
+        self.account.ledger.record(self.account.tenant, self.account.model, usage)
 
 
 class _Mailbox:
@@ -46,15 +80,22 @@ _MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = wea
 class RequestStream:
     """One sequence's outputs, put by the engine thread, iterated on the event loop."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, charge: _Charge | None = None) -> None:
         self._engine = engine
+        self._charge = charge
         loop = asyncio.get_running_loop()
         self._mailbox = _MAILBOXES.get(loop) or _MAILBOXES.setdefault(loop, _Mailbox(loop))
         self._queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
         self.seq_id = -1  # set once the engine has taken the sequence
         self.finished = False
+        self.cut = False  # its tenant's tokens per minute ran out: it ends with "length", the stream with an error
 
     def put(self, output: SequenceOutput) -> None:  # engine thread
+        if output.finish_reason == "quota":
+            self.cut = True
+            output = replace(output, finish_reason="length")
+        if output.finish_reason is not None and self._charge is not None:
+            self._charge.record(output)
         self._mailbox.put(self._queue, output)
 
     async def __aiter__(self) -> AsyncIterator[SequenceOutput]:
@@ -69,11 +110,13 @@ class RequestStream:
 
 
 class EngineClient:
-    """lora: the LoRA adapter every sequence submitted runs with (None: the base model)."""
+    """lora: the LoRA adapter every sequence submitted runs with (None: the base model); account: whom they are
+    served for and charged to."""
 
-    def __init__(self, engine: Engine, lora: str | None = None) -> None:
+    def __init__(self, engine: Engine, lora: str | None = None, account: Account | None = None) -> None:
         self.engine = engine
         self.lora = lora
+        self.account = account or Account()
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1, prompt_param: str = "prompt",
                grammar: CompiledGrammar | None = None, embed: bool = False,
@@ -86,14 +129,17 @@ class EngineClient:
         self._check_capacity(len(prompts) * n)
         # every check before any add
         admitted = [(ids, self._admit(ids, params, prompt_param, max_tokens_param)) for ids in prompts]
+        account = self.account
+        if account.limits is not None:  # the last check: the prompts' tokens are counted if it passes
+            account.limits.charge_prompt(sum(len(ids) for ids in prompts), generates=not embed)
         streams = []
-        for prompt_ids, resolved in admitted:
+        for k, (prompt_ids, resolved) in enumerate(admitted):
             for i in range(n):
                 # past 2**64 - 1, seed + i wraps (sampler.seeded_generator)
                 p = resolved if resolved.seed is None or i == 0 else replace(resolved, seed=resolved.seed + i)
-                stream = RequestStream(self.engine)
+                stream = RequestStream(self.engine, _Charge(account, prompt=i == 0, request=k == i == 0))
                 stream.seq_id = self.engine.add(prompt_ids, p, stream.put, grammar.new() if grammar else None, embed,
-                                                self.lora)
+                                                self.lora, account.owner)
                 streams.append(stream)
         return streams
 
@@ -136,6 +182,10 @@ class EngineClient:
     def _max_tokens(self, prompt_len: int, asked: int | None, prompt_param: str, max_tokens_param: str) -> int:
         """What was asked, or the rest of the context; refuses what can never fit, with the numbers. The engine
         serves no context longer than its KV memory holds, so what fits the context fits the memory."""
+        cap = self.account.max_tokens
+        if cap is not None and asked is not None and asked > cap:
+            raise PermissionDeniedError(f"{max_tokens_param} {asked} is more than this key may ask for ({cap})",
+                                        param=max_tokens_param, code="max_tokens_not_allowed")
         limit = self.engine.max_model_len
         room, least = limit - prompt_len, 1 if asked is None else asked  # an embedding asks for 0: no output
         if room < least:
@@ -145,7 +195,9 @@ class EngineClient:
                 f"Please reduce the length of the prompt or of the completion.",
                 param=max_tokens_param if room >= 1 else prompt_param, code="context_length_exceeded",
             )
-        return room if asked is None else asked
+        if asked is not None:
+            return asked
+        return room if cap is None else min(room, cap)
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceOutput]]:

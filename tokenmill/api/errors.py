@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,8 @@ from tokenmill.errors import (
     EngineUnavailableError,
     ModelUnavailableError,
     NotFoundError,
+    PermissionDeniedError,
+    RateLimitError,
     RequestError,
     ServerBusyError,
     TokenmillError,
@@ -28,8 +31,10 @@ log = logging.getLogger(__name__)
 # Domain error -> (HTTP status, OpenAI error type, headers); the most specific class first.
 _HTTP: list[tuple[type[TokenmillError], int, str, dict[str, str] | None]] = [
     (NotFoundError, 404, "not_found_error", None),
+    (PermissionDeniedError, 403, "permission_error", None),
     (RequestError, 400, "invalid_request_error", None),
     (ServerBusyError, 429, "rate_limit_error", {"Retry-After": "1"}),
+    (RateLimitError, 429, "rate_limit_error", None),
     (EngineUnavailableError, 503, "service_unavailable", None),
     (EngineError, 500, "server_error", None),
 ]
@@ -57,11 +62,22 @@ def domain_error_response(exc: TokenmillError) -> JSONResponse:
     if isinstance(exc, ModelUnavailableError):
         return error_response(status, str(exc), type_, code="model_not_loaded",
                               headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, RateLimitError):
+        return rate_limit_response(exc)
     if isinstance(exc, RequestError):
         return error_response(status, exc.message, type_, exc.param, exc.code, headers)
     if isinstance(exc, ServerBusyError):
         return error_response(status, str(exc), type_, code="server_busy", headers=headers)
     return error_response(status, str(exc), type_, headers=headers)
+
+
+def rate_limit_response(exc: RateLimitError) -> JSONResponse:
+    """OpenAI's 429: the limit that ran out as the error's type, and when to retry (the SDK reads retry-after-ms)."""
+    headers = {}
+    if exc.retry_after != float("inf"):
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after))),
+                   "retry-after-ms": str(math.ceil(exc.retry_after * 1000))}
+    return error_response(429, str(exc), exc.kind, code="rate_limit_exceeded", headers=headers)
 
 
 def _not_json(error: dict[str, Any], body: str) -> str:
@@ -100,6 +116,7 @@ def validation_fault(errors: Sequence[Any]) -> tuple[str | None, str]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     @app.exception_handler(ServerBusyError)
+    @app.exception_handler(RateLimitError)
     @app.exception_handler(EngineUnavailableError)
     @app.exception_handler(EngineError)
     async def _domain(_: Request, exc: TokenmillError) -> JSONResponse:

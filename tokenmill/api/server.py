@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
 import time
 from collections.abc import Coroutine
@@ -19,6 +21,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError
 from tokenmill.hosting.pool import ModelPool
+from tokenmill.tenants.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +59,11 @@ class TokenmillServer(uvicorn.Server):
     `exit_code` is 0. A second signal aborts them at once (their streams still end properly), a third stops without
     waiting for that. If the engine thread dies, the server stops with exit_code 1 rather than answer 503 forever."""
 
-    def __init__(self, config: uvicorn.Config, pool: ModelPool, state: ServingState, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, pool: ModelPool, state: ServingState, shutdown_timeout: float,
+                 tenancy: Tenancy) -> None:
         super().__init__(config)
         self.pool = pool
+        self.tenancy = tenancy
         self.state = state
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
@@ -71,6 +76,8 @@ class TokenmillServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         self._spawn(self._watch_engine())
+        with contextlib.suppress(ValueError, NotImplementedError, RuntimeError):  # not the main thread (tests)
+            self._loop.add_signal_handler(signal.SIGHUP, self.tenancy.reload)  # SIGHUP: re-read the keys file
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded as uvicorn records it: it would re-raise the signal after the shutdown, and the process
@@ -131,14 +138,15 @@ class TokenmillServer(uvicorn.Server):
 
 def build_server(models: Engine | ModelPool, config: ServerConfig, model_id: str | None = None,
                  aliases: set[str] | None = None, store: ResponseStore | None = None,
-                 graceful_timeout: int | None = None) -> TokenmillServer:
+                 tenancy: Tenancy | None = None, graceful_timeout: int | None = None) -> TokenmillServer:
     """The one way a server is made, by `tokenmill serve`, `tokenmill chat` and the tests alike: the app over the
     models (api/app.py; one engine is served as model_id) in uvicorn, with tokenmill's shutdown. Run it with the
-    sockets of listen(); store: the Responses store the caller opened (None: the one config names);
+    sockets of listen(); store: the Responses store the caller opened (None: the one config names); tenancy: the
+    tenants the caller read (None: the config's);
     graceful_timeout: uvicorn's own bound on closing connections once the requests are done."""
     state = ServingState()
-    app = create_app(models, model_id, aliases, config, state, store)
-    pool = app.state.hosting.pool
+    app = create_app(models, model_id, aliases, config, state, store, tenancy)
+    hosting = app.state.hosting
     return TokenmillServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                           timeout_graceful_shutdown=graceful_timeout),
-                           pool, state, config.shutdown_timeout)
+                           hosting.pool, state, config.shutdown_timeout, hosting.tenancy)

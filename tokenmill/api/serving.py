@@ -14,18 +14,21 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tokenmill.api.answer import Reply, StreamUsage
-from tokenmill.api.engine_client import EngineClient, RequestStream, collect
+from tokenmill.api.engine_client import Account, EngineClient, RequestStream, collect
+from tokenmill.api.errors import error_body
 from tokenmill.api.guards import ServingState
 from tokenmill.api.protocol import RequestModel, SamplingFields
 from tokenmill.api.response_store import ResponseStore
 from tokenmill.api.sse import sse_done, sse_event
 from tokenmill.config import ServerConfig, parse_keep_alive
 from tokenmill.engine.engine import Engine
-from tokenmill.engine.request import SequenceOutput
-from tokenmill.errors import ConfigError, RequestError
+from tokenmill.engine.request import Owner, SequenceOutput
+from tokenmill.errors import ConfigError, PermissionDeniedError, RequestError
 from tokenmill.hosting.pool import UNSET, ModelPool
 from tokenmill.structured import StructuredSpec
 from tokenmill.structured.backend import CompiledGrammar
+from tokenmill.tenants.keys import Tenant
+from tokenmill.tenants.tenancy import ANONYMOUS, Tenancy
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Hosting:
     config: ServerConfig
     state: ServingState
     responses: ResponseStore | None  # stored Responses (None: --responses-store off)
+    tenancy: Tenancy
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -49,10 +53,30 @@ class Serving:
     config: ServerConfig
     state: ServingState
     responses: ResponseStore | None
+    tenant: str  # the name of the tenant it is served for (ANONYMOUS: the server has no keys)
 
 
 def hosting_of(request: Request) -> Hosting:
     return request.app.state.hosting
+
+
+def tenant_of(request: Request) -> Tenant | None:
+    """The tenant whose key the request carries (api/guards.py; None: the server has no keys)."""
+    return getattr(request.state, "tenant", None)
+
+
+def tenant_name(request: Request) -> str:
+    tenant = tenant_of(request)
+    return ANONYMOUS if tenant is None else tenant.name
+
+
+def account_of(hosting: Hosting, tenant: Tenant | None, model: str) -> Account:
+    if tenant is None:
+        return Account(ANONYMOUS, model, hosting.tenancy.ledger)
+    limits = hosting.tenancy.limits(tenant)
+    owner = Owner(tenant.name, tenant.weight, tenant.cache_namespace,
+                  limits if tenant.tokens_per_minute is not None else None)
+    return Account(tenant.name, model, hosting.tenancy.ledger, limits, owner, tenant.max_tokens)
 
 
 @contextlib.asynccontextmanager
@@ -61,6 +85,10 @@ async def serving_for(request: Request, body: RequestModel) -> AsyncIterator[Ser
     submitted its sequences (they keep it from then on); 404 for a model this server does not have."""
     hosting = hosting_of(request)
     name: str = body.model  # type: ignore[attr-defined]
+    tenant = tenant_of(request)
+    if tenant is not None and not (tenant.may_use(name) or tenant.may_use(hosting.pool.find(name).name)):
+        raise PermissionDeniedError(f"this key may not use the model {name!r}", param="model",
+                                    code="model_not_allowed")
     keep_alive: object = UNSET
     if (asked := getattr(body, "keep_alive", None)) is not None:
         try:
@@ -73,8 +101,10 @@ async def serving_for(request: Request, body: RequestModel) -> AsyncIterator[Ser
         if hosted.spec.tool_call_parser is not None:
             config = replace(config, tool_call_parser=hosted.spec.tool_call_parser)
         adapter = hosting.pool.adapter_of(name)  # a LoRA adapter answers as itself
-        yield Serving(hosted.engine, EngineClient(hosted.engine, adapter), adapter or hosted.name, config,
-                      hosting.state, hosting.responses)
+        model_id = adapter or hosted.name
+        client = EngineClient(hosted.engine, adapter, account_of(hosting, tenant, model_id))
+        yield Serving(hosted.engine, client, model_id, config, hosting.state, hosting.responses,
+                      ANONYMOUS if tenant is None else tenant.name)
 
 
 async def compile_grammar(serving: Serving, found: tuple[StructuredSpec, str] | None) -> CompiledGrammar | None:
@@ -122,12 +152,23 @@ def reply_of(serving: Serving, request_id: str) -> Reply:
     return Reply(request_id, serving.model_id, serving.engine.tokenizer, serving.engine.system_fingerprint)
 
 
+def _quota_error(done: bool) -> str:
+    """The last event of a stream that its tenant's tokens per minute cut: each answer ended there ("length")."""
+    message = ("Rate limit reached on tokens per min (TPM): the answer was cut where the limit was reached; "
+               "retry later for the rest.")
+    if done:
+        return sse_event(error_body(message, "tokens", code="rate_limit_exceeded"), None)
+    return sse_event({"type": "error", "code": "rate_limit_exceeded", "message": message, "param": None}, "error")
+
+
 def sse_response(chunks: AsyncIterator[dict], streams: list[RequestStream], done: bool = True) -> StreamingResponse:
     """Chat and completions chunks end with [DONE] (done); Responses events are named and end with their last."""
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield sse_event(chunk, None if done else chunk["type"])
+            if any(s.cut for s in streams):
+                yield _quota_error(done)
             if done:
                 yield sse_done()
         finally:

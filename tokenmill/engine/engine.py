@@ -15,6 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +24,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.builder import build
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output import OutputProcessor
-from tokenmill.engine.request import Sequence, SequenceOutput, Status, TokenLogprob
+from tokenmill.engine.request import NOBODY, Owner, Sequence, SequenceOutput, Status, TokenLogprob
 from tokenmill.engine.sampler import seeded_generator
 from tokenmill.engine.spec import Proposer, Speculation
 from tokenmill.engine.tensor_parallel import RankFailure, ShardedModel
@@ -38,6 +39,21 @@ log = logging.getLogger(__name__)
 Sink = Callable[[SequenceOutput], None]
 
 
+@dataclass
+class _Arrival:
+    """A sequence on its way from add() to the engine thread."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+    arrival: float
+    grammar: Grammar | None
+    embed: bool
+    lora: str | None
+    owner: Owner
+
+
 class Engine:
     """Pass a LoadedModel, or let start() load config.model on the engine thread (builder.build says why)."""
 
@@ -47,6 +63,7 @@ class Engine:
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._seqs: dict[int, Sequence] = {}
+        self._namespaces: dict[str, int] = {}  # owners' prefix-cache namespaces, numbered as they come
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -133,23 +150,25 @@ class Engine:
         sequences = [{"id": seq.seq_id, "state": state, "prompt_tokens": len(seq.prompt_ids),
                       "generated_tokens": len(seq.output_ids), "computed_tokens": seq.num_computed_tokens,
                       "cached_tokens": seq.num_cached_tokens or 0, "blocks": self.kv_cache.blocks_of(seq.seq_id),
-                      "age_s": round(now - seq.arrival_time, 3)}
+                      "age_s": round(now - seq.arrival_time, 3), "tenant": seq.owner.name}
                      for state, group in (("running", running), ("waiting", waiting)) for seq in group]
         ranks = {"size": 1} if self.tensor_parallel is None else self.tensor_parallel.describe()
         return {"running": len(running), "waiting": len(waiting), "kv": self.kv_cache.occupancy(),
-                "tensor_parallel": ranks,
+                "tensor_parallel": ranks, "tenants": self.scheduler.shares(),
                 **self.metrics.snapshot(speculative=self.proposer is not None), "sequences": sequences}
 
     def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, grammar: Grammar | None = None,
-            embed: bool = False, lora: str | None = None) -> int:
+            embed: bool = False, lora: str | None = None, owner: Owner = NOBODY) -> int:
         """Queue one sequence (params.max_tokens resolved, ids checked: see api/engine_client.py); its outputs go to
         sink, called on the engine thread; grammar: its own, from self.grammars (structured output); embed: only
         prefill the prompt and send its pooled hidden state (config.pooling) as the one output; lora: the LoRA
-        adapter it runs with (None: the base model). Returns its id, for abort."""
+        adapter it runs with (None: the base model); owner: the tenant it is served for. Returns its id, for
+        abort."""
         seq_id = next(self._ids)
         with self._unfinished_lock:
             self._unfinished += 1
-        self._inbox.put(("add", (seq_id, prompt_ids, params, sink, time.perf_counter(), grammar, embed, lora)))
+        self._inbox.put(("add", _Arrival(seq_id, prompt_ids, params, sink, time.perf_counter(), grammar, embed,
+                                          lora, owner)))
         return seq_id
 
     def lora_adapters(self) -> list[str]:
@@ -237,7 +256,7 @@ class Engine:
             return
         while True:
             if kind == "add":
-                self._add(*item)  # type: ignore[misc]
+                self._add(item)  # type: ignore[arg-type]
             elif kind == "abort":
                 seq = self._seqs.get(item)  # type: ignore[call-overload]
                 if seq is not None:
@@ -264,23 +283,24 @@ class Engine:
         else:
             done.set_result(None)
 
-    def _add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink, arrival: float,
-             grammar: Grammar | None, embed: bool, lora: str | None) -> None:
+    def _add(self, new: _Arrival) -> None:
+        seq_id, prompt_ids, params, sink, owner = new.seq_id, new.prompt_ids, new.params, new.sink, new.owner
         device = self.runner.device
         adapter = None
-        if lora is not None:
-            adapter = None if self.lora is None else self.lora.adapters.get(lora)
+        if new.lora is not None:
+            adapter = None if self.lora is None else self.lora.adapters.get(new.lora)
             if adapter is None:  # unloaded between the API's look and now
-                self._refuse(seq_id, len(prompt_ids), sink, f"the LoRA adapter {lora} is not loaded")
+                self._refuse(seq_id, len(prompt_ids), sink, f"the LoRA adapter {new.lora} is not loaded")
                 return
         try:
             seq = Sequence(
                 seq_id=seq_id, prompt_ids=prompt_ids, params=params,
                 detokenizer=self.output.detokenizer(prompt_ids, params),
-                sink=sink, arrival_time=arrival,
+                sink=sink, arrival_time=new.arrival,
                 # A seeded request samples from its own stream, so its tokens do not depend on its neighbours.
                 generator=None if params.seed is None else seeded_generator(params.seed, device),
-                grammar=grammar, pooling=self.config.pooling if embed else None,
+                grammar=new.grammar, pooling=self.config.pooling if new.embed else None, owner=owner,
+                cache_salt=self._namespace(owner.cache_namespace) << 32,
             )
         except Exception:
             # A request the engine cannot take (one the API should have refused) fails alone, not the engine loop.
@@ -288,10 +308,18 @@ class Engine:
             self._refuse(seq_id, len(prompt_ids), sink, "internal error while adding the request")
             return
         if adapter is not None and self.lora is not None:
-            seq.lora_slot, seq.cache_salt = adapter.slot, adapter.salt
+            seq.lora_slot = adapter.slot
+            seq.cache_salt += adapter.salt
             self.lora.users[adapter.slot] += 1
         self._seqs[seq_id] = seq
         self.scheduler.add(seq)
+
+    def _namespace(self, name: str) -> int:
+        """The number of an owner's prefix-cache namespace (0: the owner-less one), shifted above the adapters'
+        salts: KV is shared only within one namespace and one adapter."""
+        if not name:
+            return 0
+        return self._namespaces.setdefault(name, len(self._namespaces) + 1)
 
     def _refuse(self, seq_id: int, prompt_tokens: int, sink: Sink, error: str) -> None:
         """End a sequence that was never added: it is no longer unfinished, and its one output is the error."""

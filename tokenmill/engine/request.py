@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -34,6 +35,27 @@ class SpeculationState:
     rate: float = 1.0
     skip: int = 0
     cooldown: int = 0
+
+
+class TokenQuota(Protocol):
+    def take(self, tokens: int) -> bool:
+        """Count `tokens` more completion tokens against the owner's limit; False (counting none) where they do not
+        fit, and the sequence ends there (finish reason "quota")."""
+        ...
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who a sequence is served for (a tenant, tenants/): the name and weight its fair share goes by, the prefix
+    cache's namespace it may share KV within, and the quota its completion tokens are drawn from (None: none)."""
+
+    name: str = ""
+    weight: float = 1.0
+    cache_namespace: str = ""
+    quota: TokenQuota | None = None
+
+
+NOBODY = Owner()  # a server without tenants: every sequence is the same owner's
 
 
 @dataclass
@@ -66,7 +88,8 @@ class Sequence:
     pooling: str | None = None  # an embedding: "last" or "mean" of the prompt's final hidden states; never samples
     pooled: torch.Tensor | None = None  # its running sum (mean) or last hidden state, fp32, set by the runner
     lora_slot: int = -1  # the LoRA adapter's slot it runs with (engine/lora.py); -1: the base model
-    cache_salt: int = 0  # the prefix cache's namespace: its adapter's, 0 for the base model
+    cache_salt: int = 0  # the prefix cache's namespace: its adapter's and its owner's, 0 for neither
+    owner: Owner = NOBODY
     # SamplingParams.prompt_logprobs: the entry of each prompt position after the first, set by the runner as the
     # prompt's chunks run (a recompute after preemption writes the same again)
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)

@@ -15,6 +15,10 @@ from typing import Protocol
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Sequence, Status
 
+# The fair share weighs what each owner was served over about the last FAIR_SHARE_HALF_LIFE * 2 tokens the engine
+# ran: each token served halves the weight of what came before it over this many tokens.
+FAIR_SHARE_HALF_LIFE = 4096
+
 
 @dataclass
 class ScheduledSequence:
@@ -96,6 +100,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         # Sequences whose batch failed: each runs alone until one of its steps succeeds, to find the culprit.
         self.isolated: deque[Sequence] = deque()
+        # Tokens each owner (a tenant) was served recently, decaying as the engine serves anyone, and its weight:
+        # the fair share admits the least served (against its weight) first and preempts the most served first.
+        self.served: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -146,7 +154,7 @@ class Scheduler:
         the newest, and goes back to waiting); True if anyone was preempted."""
         preempted = False
         while not self._reserve(seq, n):
-            victim = self.running[-1]
+            victim = self._victim()
             self._evict(victim)
             self.stats.preemptions += 1
             preempted = True
@@ -159,7 +167,7 @@ class Scheduler:
         through (with chunked prefill: its chunk comes in a later step); one that does not fit in memory stops
         admission (nobody overtakes it)."""
         whole_prompts = not self.config.chunked_prefill
-        for i, seq in enumerate(list(self.waiting)):
+        for i, seq in enumerate(self._admission_order()):
             head = i == 0
             if len(self.running) >= self.config.max_num_seqs or (budget.tokens <= 0 and not (head and whole_prompts)):
                 return
@@ -187,6 +195,70 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._take(plan, budget, seq, n)
+
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting sequences in the order they may be admitted: as they came, or with the fair share, each
+        owner's in the order they came, the owners taking turns by the service they had (and would have, once
+        the prompts before are run), divided by their weight: the least served first."""
+        if not self.config.fair_share:
+            return list(self.waiting)
+        queues: dict[str, deque[Sequence]] = {}
+        for seq in self.waiting:
+            queues.setdefault(seq.owner.name, deque()).append(seq)
+        if len(queues) < 2:
+            return list(self.waiting)
+        projected = {name: self.served.get(name, 0.0) / queue[0].owner.weight for name, queue in queues.items()}
+        order = []
+        while queues:
+            name = min(queues, key=projected.__getitem__)  # ties: the owner whose oldest came first
+            seq = queues[name].popleft()
+            order.append(seq)
+            projected[name] += (seq.num_tokens - seq.num_computed_tokens) / seq.owner.weight
+            if not queues[name]:
+                del queues[name]
+        return order
+
+    def _victim(self) -> Sequence:
+        """Whom to preempt: the newest running sequence, or with the fair share, the newest of the owner served
+        most (against its weight)."""
+        if not self.config.fair_share or len({seq.owner.name for seq in self.running}) < 2:
+            return self.running[-1]
+        most = max((seq.owner.name for seq in self.running), key=self._served)
+        return next(seq for seq in reversed(self.running) if seq.owner.name == most)
+
+    def shares(self) -> list[dict[str, object]]:
+        """Each owner with work or recent service: its sequences running and waiting, its weight, and its share of
+        the tokens served recently (the fair share's measure; a glance from another thread)."""
+        owners: dict[str, dict[str, object]] = {}
+        for state, group in (("running", tuple(self.running)), ("waiting", tuple(self.waiting))):
+            for seq in group:
+                entry = owners.setdefault(seq.owner.name, {"tenant": seq.owner.name, "running": 0, "waiting": 0,
+                                                           "weight": seq.owner.weight})
+                entry[state] += 1  # type: ignore[operator]
+        served, weights = dict(self.served), dict(self.weights)
+        total = sum(served.values()) or 1.0
+        for name in served:
+            owners.setdefault(name, {"tenant": name, "running": 0, "waiting": 0, "weight": weights.get(name)})
+        for name, entry in owners.items():
+            entry["share"] = round(served.get(name, 0.0) / total, 4)
+        return sorted(owners.values(), key=lambda entry: str(entry["tenant"]))
+
+    def _count_service(self, plan: list[ScheduledSequence]) -> None:
+        """Each owner's service of a step that ran, and the decay of what came before."""
+        ran = sum(item.num_tokens for item in plan)
+        decay = 0.5 ** (ran / FAIR_SHARE_HALF_LIFE)
+        served = {name: value * decay for name, value in self.served.items() if value * decay > 1e-3}
+        for item in plan:
+            owner = item.seq.owner
+            served[owner.name] = served.get(owner.name, 0.0) + item.num_tokens
+            self.weights[owner.name] = owner.weight
+        self.served = served
+        if len(self.weights) > 2 * len(served) + 16:  # forget the weights of owners long gone
+            self.weights = {name: self.weights[name] for name in served}
+
+    def _served(self, name: str) -> float:
+        """An owner's recent service against its weight."""
+        return self.served.get(name, 0.0) / self.weights.get(name, 1.0)
 
     def _alone(self, seq: Sequence, plan: list[ScheduledSequence], budget: _Budget) -> int:
         """Whole prompts only, and the first in the queue does not fit beside this step's decodes: it runs alone,
@@ -261,6 +333,8 @@ class Scheduler:
         the rejected proposals' KV is past num_computed_tokens, so it is overwritten and never cached."""
         if self.isolated and plan and plan[0].seq is self.isolated[0]:
             self.isolated.popleft()
+        if self.config.fair_share:
+            self._count_service(plan)
         finished = []
         for item in plan:
             seq = item.seq
@@ -276,6 +350,11 @@ class Scheduler:
         for item, tokens in zip([item for item in plan if item.samples], new_tokens, strict=True):
             seq = item.seq
             for i, token in enumerate(tokens):
+                quota = seq.owner.quota
+                if quota is not None and not quota.take(1):  # its owner's tokens per minute ran out
+                    self.finish(seq, "quota")
+                    finished.append(seq)
+                    break
                 seq.output_ids.append(token)
                 if i < len(tokens) - 1:  # an accepted proposal: its KV, computed this step, stands
                     seq.num_computed_tokens += 1

@@ -1,5 +1,6 @@
 """/metrics for every hosted model: each engine's registry, its samples labelled model_name as vLLM labels them,
-and the pool's own gauges (loaded, memory)."""
+the pool's own gauges (loaded, memory), and each tenant's usage by model (labelled by the tenant's name, never a
+key; since the usage store began, so they survive a restart)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 
 from tokenmill.hosting.pool import ModelPool
+from tokenmill.tenants.usage import UsageLedger
+
+_USAGE = (("prompt_tokens", "Prompt tokens served, by tenant and model."),
+          ("completion_tokens", "Completion tokens generated, by tenant and model."),
+          ("cached_tokens", "Prompt tokens served from the prefix cache, by tenant and model."),
+          ("requests", "Requests served, by tenant and model."))
 
 
 class _PoolCollector:
-    def __init__(self, pool: ModelPool) -> None:
+    def __init__(self, pool: ModelPool, ledger: UsageLedger | None) -> None:
         self.pool = pool
+        self.ledger = ledger
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
@@ -38,7 +46,20 @@ class _PoolCollector:
                         "gauge")
         budget.add_sample("tokenmill:models_memory_budget_bytes", {}, float(self.pool.max_memory))
         yield from (loaded, memory, loads, budget)
+        if self.ledger is not None:
+            yield from self._usage(self.ledger)
+
+    @staticmethod
+    def _usage(ledger: UsageLedger) -> Iterator[Metric]:
+        totals = ledger.totals()
+        for field, documentation in _USAGE:
+            name = f"tokenmill:tenant_{field}"
+            metric = Metric(name, documentation, "counter")
+            for (tenant, model), usage in sorted(totals.items()):
+                metric.add_sample(f"{name}_total", {"tenant": tenant or "anonymous", "model_name": model},
+                                  float(getattr(usage, field)))
+            yield metric
 
 
-def render_metrics(pool: ModelPool) -> bytes:
-    return generate_latest(_PoolCollector(pool))
+def render_metrics(pool: ModelPool, ledger: UsageLedger | None = None) -> bytes:
+    return generate_latest(_PoolCollector(pool, ledger))

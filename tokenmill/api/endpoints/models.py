@@ -7,7 +7,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tokenmill.api.serving import Hosting, hosting_of
+from tokenmill.api.serving import Hosting, hosting_of, tenant_of
+from tokenmill.errors import PermissionDeniedError
 from tokenmill.hosting.pool import HostedModel
 
 router = APIRouter()
@@ -23,14 +24,19 @@ def _model_card(hosting: Hosting, hosted: HostedModel, adapter: str | None = Non
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    hosting = hosting_of(request)
-    return {"object": "list", "data": [card for hosted in hosting.pool.models
-                                       for card in (_model_card(hosting, hosted),
-                                                    *(_model_card(hosting, hosted, a) for a in hosted.adapters))]}
+    """The models the key may use (every one where the server has no keys)."""
+    hosting, tenant = hosting_of(request), tenant_of(request)
+    cards = [card for hosted in hosting.pool.models
+             for card in (_model_card(hosting, hosted), *(_model_card(hosting, hosted, a) for a in hosted.adapters))]
+    return {"object": "list", "data": [card for card in cards if tenant is None or tenant.may_use(card["id"])]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> dict:
     """The model by its id or an alias (ids may hold slashes, like Hugging Face names)."""
-    hosting = hosting_of(request)
-    return _model_card(hosting, hosting.pool.find(model_id), hosting.pool.adapter_of(model_id))
+    hosting, tenant = hosting_of(request), tenant_of(request)
+    card = _model_card(hosting, hosting.pool.find(model_id), hosting.pool.adapter_of(model_id))
+    if tenant is not None and not (tenant.may_use(model_id) or tenant.may_use(card["id"])):
+        raise PermissionDeniedError(f"this key may not use the model {model_id!r}", param="model",
+                                    code="model_not_allowed")
+    return card

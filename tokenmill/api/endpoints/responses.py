@@ -21,7 +21,15 @@ from tokenmill.api.responses_api import (
     response_events,
     response_object,
 )
-from tokenmill.api.serving import Hosting, Serving, collect_unless_disconnected, hosting_of, serving_for, sse_response
+from tokenmill.api.serving import (
+    Hosting,
+    Serving,
+    collect_unless_disconnected,
+    hosting_of,
+    serving_for,
+    sse_response,
+    tenant_name,
+)
 from tokenmill.errors import NotFoundError, RequestError
 
 router = APIRouter()
@@ -44,7 +52,7 @@ async def _respond(serving: Serving, body: ResponsesRequest, request: Request) -
     if store is None and body.previous_response_id is not None:
         raise RequestError("this server stores no responses (--responses-store off)", param="previous_response_id")
     history = [] if body.previous_response_id is None or store is None else await asyncio.to_thread(
-        store.conversation, body.previous_response_id)
+        store.conversation, body.previous_response_id, serving.tenant)
     items = body.input_items()
     try:
         streams, prompt_tokens, tool_parser = await submit_chat(serving, body.chat_request(history + items))
@@ -63,7 +71,8 @@ async def _respond(serving: Serving, body: ResponsesRequest, request: Request) -
         if store is None or not body.store:
             return
         kept = response["status"] in ("completed", "incomplete")
-        response["store"] = kept and await asyncio.to_thread(store.put, response, listed_items(items, response["id"]))
+        response["store"] = kept and await asyncio.to_thread(store.put, response, listed_items(items, response["id"]),
+                                                              serving.tenant)
 
     if body.stream:
         async def events() -> AsyncIterator[dict[str, Any]]:
@@ -89,7 +98,8 @@ def _stored(hosting: Hosting, response_id: str) -> ResponseStore:
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-    found = await asyncio.to_thread(_stored(hosting_of(request), response_id).get, response_id)
+    found = await asyncio.to_thread(_stored(hosting_of(request), response_id).get, response_id,
+                                    tenant_name(request))
     if found is None:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     return found
@@ -104,7 +114,8 @@ async def list_input_items(response_id: str, request: Request, after: str | None
     OpenAI pages lists: `limit` items after the one named `after`, newest first unless `order` is asc. (The openai
     SDK sends a list as include[]=....)"""
     refuse_include(include or include_)
-    turns = await asyncio.to_thread(_stored(hosting_of(request), response_id).input_items, response_id)
+    turns = await asyncio.to_thread(_stored(hosting_of(request), response_id).input_items, response_id,
+                                    tenant_name(request))
     if turns is None:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     # rows stored before input items were kept listed get their ids here, the same ones each time
@@ -124,6 +135,7 @@ async def list_input_items(response_id: str, request: Request, after: str | None
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    if not await asyncio.to_thread(_stored(hosting_of(request), response_id).delete, response_id):
+    if not await asyncio.to_thread(_stored(hosting_of(request), response_id).delete, response_id,
+                                   tenant_name(request)):
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     return {"id": response_id, "object": "response", "deleted": True}

@@ -30,7 +30,8 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(render_metrics(hosting_of(request).pool), media_type=CONTENT_TYPE_LATEST)
+    hosting = hosting_of(request)
+    return Response(render_metrics(hosting.pool, hosting.tenancy.ledger), media_type=CONTENT_TYPE_LATEST)
 
 
 def _shown(pool: ModelPool, name: str | None) -> HostedModel:

@@ -66,6 +66,19 @@ function showModels(stats) {
   return ` · models hold ${mib(memory.used_bytes)} of ${mib(memory.budget_bytes)} MiB`;
 }
 
+function showTenants(tenants) {
+  // With keys: each tenant's sequences and its share of the tokens served recently (what the fair share weighs).
+  const named = tenants.filter((t) => t.tenant !== "");
+  $("tenants-table").hidden = named.length === 0;
+  $("tenants").replaceChildren(...named.map((t) => {
+    const row = el("tr", "");
+    for (const cell of [t.tenant, t.weight ?? "–", t.running, t.waiting, percent(t.share)]) {
+      row.append(el("td", "", String(cell)));
+    }
+    return row;
+  }));
+}
+
 function show(stats) {
   const memory = showModels(stats);
   if (stats.running === undefined) { // the model shown is not loaded: its engine has nothing to show
@@ -79,6 +92,7 @@ function show(stats) {
     : "";
   $("model").textContent = `${stats.model} · context ${stats.max_model_len}${ranks} · up ${Math.round(stats.uptime_s)} s`
     + (stats.models.length > 1 ? memory : "");
+  showTenants(stats.tenants || []);
   $("running").textContent = stats.running;
   $("running-sub").textContent = `of ${stats.max_num_seqs} at most`;
   $("waiting").textContent = stats.waiting;

@@ -1,0 +1,137 @@
+"""The fair share as scheduling policy, without a model: tenants admitted by the tokens they were served recently
+against their weight, the most served preempted first, and a tenant's quota ending its sequence where it runs out."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
+from tokenmill.config import EngineConfig
+from tokenmill.engine.request import Owner, Sequence, Status
+from tokenmill.engine.scheduler import FAIR_SHARE_HALF_LIFE, Scheduler
+from tokenmill.sampling import SamplingParams
+
+TINY = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+
+
+def scheduler(num_blocks: int = 1000, **config) -> Scheduler:
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=256, long_prefill_token_threshold=0,
+                    long_prefill_chunk=0)
+    kv = PagedKVCache(TINY, torch.device("cpu"), num_blocks, 4, False)
+    return Scheduler(EngineConfig(**{**settings, **config}), kv, max_model_len=4096)
+
+
+def make(seq_id: int, owner: Owner, prompt_len: int = 4, max_tokens: int = 1000) -> Sequence:
+    return Sequence(seq_id=seq_id, prompt_ids=[1] * prompt_len, params=SamplingParams(max_tokens=max_tokens),
+                    detokenizer=None, sink=lambda _: None, owner=owner)
+
+
+def step(sched: Scheduler) -> list[Sequence]:
+    plan = sched.schedule()
+    sched.update(plan, [[5] for item in plan if item.samples])
+    return [item.seq for item in plan]
+
+
+def test_a_tenant_with_a_backlog_does_not_keep_a_newcomer_waiting() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler()
+    for i in range(4):
+        sched.add(make(i, a))
+    for _ in range(20):
+        step(sched)  # a's four fill the slots and are served for a while
+    for i in range(4, 10):
+        sched.add(make(i, a))  # a's backlog, queued first
+    sched.add(make(10, b))
+    sched.finish(sched.running[0], "stop")  # a slot frees
+    admitted = [seq for seq in step(sched) if len(seq.output_ids) == 1]  # its prompt ran this step
+    assert [seq.owner.name for seq in admitted] == ["b"]
+
+
+def test_without_the_fair_share_the_queue_is_first_come_first_served() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(fair_share=False)
+    for i in range(4):
+        sched.add(make(i, a))
+    for _ in range(20):
+        step(sched)
+    for i in range(4, 10):
+        sched.add(make(i, a))
+    sched.add(make(10, b))
+    sched.finish(sched.running[0], "stop")
+    admitted = [seq for seq in step(sched) if len(seq.output_ids) == 1]
+    assert [seq.owner.name for seq in admitted] == ["a"]
+
+
+def test_backlogged_tenants_share_the_slots_by_their_weights() -> None:
+    """Sequences of 16 tokens each, both tenants always waiting: the tokens each is served follow its weight."""
+    heavy, light = Owner("heavy", weight=3.0), Owner("light", weight=1.0)
+    sched = scheduler(max_num_seqs=8)
+    ids = iter(range(10**6))
+    generated = {"heavy": 0, "light": 0}
+    for _ in range(2000):
+        for owner in (heavy, light):
+            while sum(seq.owner is owner for seq in sched.waiting) < 8:
+                sched.add(make(next(ids), owner, max_tokens=16))
+        plan = sched.schedule()
+        for item in plan:
+            if item.samples:
+                generated[item.seq.owner.name] += 1
+        sched.update(plan, [[5] for item in plan if item.samples])
+    share = generated["heavy"] / sum(generated.values())
+    assert abs(share - 0.75) < 0.05, generated
+
+
+def test_service_decays_so_an_old_burst_is_forgotten() -> None:
+    a = Owner("a")
+    sched = scheduler()
+    sched.add(make(0, a, prompt_len=100))
+    step(sched)
+    before = sched.served["a"]
+    sched.served["b"] = 0.0
+    sched.add(make(1, Owner("b"), prompt_len=FAIR_SHARE_HALF_LIFE // 4))
+    while sched.waiting or any(not s.decoding for s in sched.running):
+        step(sched)
+    assert sched.served["a"] < before * 0.95  # what b was served since halved a little of what a had
+    assert {entry["tenant"]: entry["running"] for entry in sched.shares()} == {"a": 1, "b": 1}
+    assert abs(sum(entry["share"] for entry in sched.shares()) - 1) < 1e-3
+
+
+def test_memory_pressure_preempts_the_most_served_tenant_first() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(num_blocks=8, max_num_seqs=8)
+    old_b = make(0, b, prompt_len=4)
+    sched.add(old_b)
+    step(sched)
+    a_seqs = [make(i, a, prompt_len=4) for i in range(1, 4)]
+    for seq in a_seqs:
+        sched.add(seq)
+    sched.served["a"] = 1e6  # a has been served far more
+    step(sched)
+    new_b = make(9, b, prompt_len=4)
+    sched.add(new_b)
+    for _ in range(40):  # decodes grow until blocks run out
+        step(sched)
+        if sched.stats.preemptions:
+            break
+    assert sched.stats.preemptions
+    assert old_b.status == Status.RUNNING and any(seq.status == Status.WAITING for seq in a_seqs)
+
+
+def test_a_quota_that_runs_out_ends_the_sequence_without_the_token() -> None:
+    class Quota:
+        def __init__(self, left: int) -> None:
+            self.left = left
+
+        def take(self, tokens: int) -> bool:
+            if tokens > self.left:
+                return False
+            self.left -= tokens
+            return True
+
+    sched = scheduler()
+    seq = make(0, Owner("a", quota=Quota(3)))
+    sched.add(seq)
+    for _ in range(6):
+        step(sched)
+    assert seq.output_ids == [5, 5, 5] and seq.finish_reason == "quota" and seq.status == Status.FINISHED
+    assert sched.kv.pool.num_used == 0  # its blocks came back
