@@ -247,10 +247,26 @@ def test_usage_agrees_with_the_answers_and_survives_a_restart(tiny4k: LoadedMode
         assert counters["tokenmill:tenant_prompt_tokens_total"] == got["input_tokens"]
         assert counters["tokenmill:tenant_completion_tokens_total"] == got["output_tokens"]
         assert counters["tokenmill:tenant_requests_total"] == got["num_model_requests"]
+        stats = httpx.get(srv.root_url + "/stats", headers={"Authorization": f"Bearer {KEYS['root']}"})
+        shares = {entry["tenant"]: entry["share"] for entry in stats.json()["tenants"]}
+        assert shares["bob"] > 0 and abs(sum(shares.values()) - 1) < 1e-3
         seen = httpx.get(srv.root_url + "/metrics", headers={"Authorization": f"Bearer {KEYS['root']}"}).text + \
-            httpx.get(srv.root_url + "/stats", headers={"Authorization": f"Bearer {KEYS['root']}"}).text
+            stats.text
     with ServerThread(tiny4k, MODEL, config, max_num_seqs=8) as again:
         assert usage_of(again, "bob") == got
         assert metrics_of(again, "bob")["tokenmill:tenant_completion_tokens_total"] == got["output_tokens"]
     for key in KEYS.values():
         assert key not in caplog.text and key not in seen
+
+
+@pytest.mark.parametrize(("params", "param"), [
+    ({"bucket_width": "1w"}, "bucket_width"), ({"start_time": 100, "end_time": 50}, "start_time"),
+    ({"start_time": -5}, "start_time"), ({"start_time": 0, "bucket_width": "1m"}, "bucket_width"),
+    ({"start_time": "yesterday"}, "start_time"), ({"end_time": 1.5}, "end_time"),
+])
+def test_a_bad_usage_query_is_a_400_naming_the_field(server: ServerThread, params: dict, param: str) -> None:
+    response = httpx.get(server.root_url + "/v1/usage", params=params,
+                         headers={"Authorization": f"Bearer {KEYS['root']}"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert httpx.get(server.root_url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS['root']}"}
+                     ).status_code == 200

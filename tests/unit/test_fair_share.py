@@ -135,3 +135,30 @@ def test_a_quota_that_runs_out_ends_the_sequence_without_the_token() -> None:
         step(sched)
     assert seq.output_ids == [5, 5, 5] and seq.finish_reason == "quota" and seq.status == Status.FINISHED
     assert sched.kv.pool.num_used == 0  # its blocks came back
+
+
+def test_a_newcomer_s_prompt_runs_in_a_step_of_its_own_once_and_then_with_everyone() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(max_num_seqs=8)
+    a_seqs = [make(i, a) for i in range(4)]
+    for seq in a_seqs:
+        sched.add(seq)
+    for _ in range(10):
+        step(sched)
+    newcomer = make(9, b)
+    sched.add(newcomer)
+    assert step(sched) == [newcomer]  # a's decodes wait this one step
+    assert sorted(seq.seq_id for seq in step(sched)) == [0, 1, 2, 3, 9]
+
+
+def test_owners_served_alike_share_their_steps() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(max_num_seqs=8)
+    for i in range(2):
+        sched.add(make(i, a))
+        sched.add(make(10 + i, b))
+    for _ in range(10):
+        step(sched)
+    late = make(20, b)
+    sched.add(late)
+    assert late in step(sched) and len(sched.running) == 5  # b was served as much as a: no step of its own

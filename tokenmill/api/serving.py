@@ -70,6 +70,14 @@ def tenant_name(request: Request) -> str:
     return ANONYMOUS if tenant is None else tenant.name
 
 
+def may_use(hosting: Hosting, tenant: Tenant, name: str) -> bool:
+    """Whether the tenant may use the model named: listed by its id or an alias of it; a LoRA adapter only by its
+    own name (its base model's does not admit it)."""
+    if tenant.may_use(name):
+        return True
+    return hosting.pool.adapter_of(name) is None and tenant.may_use(hosting.pool.find(name).name)
+
+
 def account_of(hosting: Hosting, tenant: Tenant | None, model: str) -> Account:
     if tenant is None:
         return Account(ANONYMOUS, model, hosting.tenancy.ledger)
@@ -86,7 +94,7 @@ async def serving_for(request: Request, body: RequestModel) -> AsyncIterator[Ser
     hosting = hosting_of(request)
     name: str = body.model  # type: ignore[attr-defined]
     tenant = tenant_of(request)
-    if tenant is not None and not (tenant.may_use(name) or tenant.may_use(hosting.pool.find(name).name)):
+    if tenant is not None and not may_use(hosting, tenant, name):
         raise PermissionDeniedError(f"this key may not use the model {name!r}", param="model",
                                     code="model_not_allowed")
     keep_alive: object = UNSET

@@ -83,16 +83,20 @@ class _Server:
 class _Load:
     """Requests of one tenant, their first-token times and the tokens each second brought."""
 
-    def __init__(self, url: str, tenant: str, model: str, prompt: str, max_tokens: int) -> None:
+    def __init__(self, url: str, tenant: str, model: str, prompt: str, max_tokens: int, spread: bool = False) -> None:
+        """spread: answers of max_tokens/2 to 3*max_tokens/2 tokens at random, so that streams started together
+        do not end (and send their next prompts) together."""
         self.url, self.tenant, self.model = url, tenant, model
-        self.prompt, self.max_tokens = prompt, max_tokens
+        self.prompt, self.max_tokens, self.spread = prompt, max_tokens, spread
+        self.random = random.Random(tenant)
         self.ttft: list[float] = []
         self.tokens: list[tuple[float, int]] = []  # (when, tokens that chunk brought)
         self.errors = 0
 
     async def one(self, client: httpx.AsyncClient) -> None:
         body = {"model": self.model, "messages": [{"role": "user", "content": self.prompt}],
-                "max_tokens": self.max_tokens, "stream": True, "ignore_eos": True,
+                "max_tokens": self.random.randint(self.max_tokens // 2, self.max_tokens * 3 // 2) if self.spread
+                else self.max_tokens, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         start, seen, first = time.perf_counter(), 0, True
         try:
@@ -142,17 +146,19 @@ async def _measure(url: str, model: str, args: argparse.Namespace) -> dict[str, 
         alone.ttft.clear()
         while time.perf_counter() < until:
             await alone.one(client)
-        burst, single = _Load(url, "a", model, prompt, 128), _Load(url, "b", model, prompt, args.max_tokens)
-        start = time.perf_counter()
-        end = start + args.seconds
+        burst = _Load(url, "a", model, prompt, 128, spread=True)
+        single = _Load(url, "b", model, prompt, args.max_tokens)
+        end = time.perf_counter() + args.seconds
         crowd = asyncio.ensure_future(burst.keep(client, args.streams, end))
         await asyncio.sleep(min(5.0, args.seconds / 4))  # A's streams reach their steady state
+        steady = time.perf_counter()
         while time.perf_counter() < end:
             await single.one(client)
+        a_rate = burst.between(steady, end) / (end - steady)
         await crowd
         shares = {}
         for other in ("b", "c"):
-            loads = {name: _Load(url, name, model, prompt, 64) for name in ("a", other)}
+            loads = {name: _Load(url, name, model, prompt, 64, spread=True) for name in ("a", other)}
             start = time.perf_counter()
             end = start + args.seconds + 5
             await asyncio.gather(*(load.keep(client, args.backlog, end) for load in loads.values()))
@@ -160,7 +166,7 @@ async def _measure(url: str, model: str, args: argparse.Namespace) -> dict[str, 
             shares[other] = counted[other] / max(1, sum(counted.values()))
     return {"alone_ttft_p50": statistics.median(alone.ttft), "alone_ttft_p90": _p(alone.ttft, 90),
             "burst_ttft_p50": statistics.median(single.ttft), "burst_ttft_p90": _p(single.ttft, 90),
-            "burst_requests": len(single.ttft), "a_tokens_per_s": burst.between(start, end) / args.seconds,
+            "burst_requests": len(single.ttft), "a_tokens_per_s": a_rate,
             "share_b_weight_1": shares["b"], "share_c_weight_w": shares["c"],
             "errors": alone.errors + burst.errors + single.errors}
 
@@ -196,7 +202,8 @@ def main() -> None:
               f"{r['burst_ttft_p50'] * 1000:9.0f}/{r['burst_ttft_p90'] * 1000:<6.0f}ms "
               f"{r['burst_ttft_p90'] / r['alone_ttft_p90']:8.2f}x {r['share_b_weight_1']:9.1%} "
               f"{r['share_c_weight_w']:9.1%}")
-    print(f"asked by the weights: 50.0% and {w / (1 + w):.1%}")
+    print(f"asked by the weights: 50.0% and {w / (1 + w):.1%}; A's tokens/s in the burst: "
+          + ", ".join(f"{name} {r['a_tokens_per_s']:.0f}" for name, r in results.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

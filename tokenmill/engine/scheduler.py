@@ -104,6 +104,7 @@ class Scheduler:
         # the fair share admits the least served (against its weight) first and preempts the most served first.
         self.served: dict[str, float] = {}
         self.weights: dict[str, float] = {}
+        self._newcomers: set[str] = set()  # owners of the sequences this step admits for the first time
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -124,9 +125,12 @@ class Scheduler:
         capped = c.long_prefill_chunk and c.long_prefill_token_threshold and any(s.decoding for s in self.running)
         budget = _Budget(c.max_num_batched_tokens, c.long_prefill_chunk if capped else None)
         plan: list[ScheduledSequence] = []
+        self._newcomers = set()
         # Admit only when nothing had to be preempted: memory is short this step.
         if not self._schedule_running(plan, budget):
             self._admit_waiting(plan, budget)
+        if c.fair_share and self._newcomers:
+            plan = self._favour_newcomers(plan)
         # Decodes (with their proposals) lead the flat batch: the runner and attention treat them as one group.
         plan.sort(key=lambda item: item.num_tokens > 1 and not item.draft)
         return plan
@@ -189,6 +193,7 @@ class Scheduler:
                 return
             if seq.num_cached_tokens is None:  # first admission (not a resume after preemption)
                 seq.num_cached_tokens = cached
+                self._newcomers.add(seq.owner.name)
                 self.stats.prefix_queried_tokens += len(seq.prompt_ids)
                 self.stats.prefix_hit_tokens += cached
             self.waiting.remove(seq)
@@ -217,6 +222,16 @@ class Scheduler:
             if not queues[name]:
                 del queues[name]
         return order
+
+    def _favour_newcomers(self, plan: list[ScheduledSequence]) -> list[ScheduledSequence]:
+        """The step, or only the work of the owners whose new prompts it admits while they were served less than
+        half (against their weight) of every other owner in it: their first tokens then wait for the step in
+        progress and their own, not for a step of everyone's decodes too. The others lose one step to it, which only
+        an owner served so much less can cause."""
+        owners = {item.seq.owner.name for item in plan}
+        favoured = {name for name in self._newcomers if len(owners) > 1 and 2 * self._served(name) <
+                    min(self._served(other) for other in owners - {name})}
+        return [item for item in plan if item.seq.owner.name in favoured] if favoured else plan
 
     def _victim(self) -> Sequence:
         """Whom to preempt: the newest running sequence, or with the fair share, the newest of the owner served

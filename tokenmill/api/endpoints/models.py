@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tokenmill.api.serving import Hosting, hosting_of, tenant_of
+from tokenmill.api.serving import Hosting, hosting_of, may_use, tenant_of
 from tokenmill.errors import PermissionDeniedError
 from tokenmill.hosting.pool import HostedModel
 
@@ -36,7 +36,7 @@ async def model(model_id: str, request: Request) -> dict:
     """The model by its id or an alias (ids may hold slashes, like Hugging Face names)."""
     hosting, tenant = hosting_of(request), tenant_of(request)
     card = _model_card(hosting, hosting.pool.find(model_id), hosting.pool.adapter_of(model_id))
-    if tenant is not None and not (tenant.may_use(model_id) or tenant.may_use(card["id"])):
+    if tenant is not None and not may_use(hosting, tenant, model_id):
         raise PermissionDeniedError(f"this key may not use the model {model_id!r}", param="model",
                                     code="model_not_allowed")
     return card
