@@ -32,7 +32,12 @@ class Target:
 
 TARGETS = {
     "scheduler": Target("tokenmill/engine/scheduler.py", ("tests/unit/test_scheduler.py",
-                                                          "tests/unit/test_structured.py")),
+                                                          "tests/unit/test_structured.py",
+                                                          "tests/unit/test_fair_share.py")),
+    "tenant_keys": Target("tokenmill/tenants/keys.py", ("tests/unit/test_tenants.py",)),
+    "tenant_limits": Target("tokenmill/tenants/limits.py", ("tests/unit/test_tenants.py",
+                                                           "tests/unit/test_guards.py")),
+    "usage": Target("tokenmill/tenants/usage.py", ("tests/unit/test_tenants.py",)),
     "sharding": Target("tokenmill/parallel/sharding.py", ("tests/unit/test_parallel.py",)),
     "models_file": Target("tokenmill/hosting/specs.py", ("tests/unit/test_models_file.py",)),
     "pool": Target("tokenmill/hosting/pool.py", ("tests/e2e/test_many_models.py",)),

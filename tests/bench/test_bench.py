@@ -200,3 +200,15 @@ def test_agree_reports_where_two_servers_answers_part(server: ServerThread, tiny
     agree.main()
     out = capsys.readouterr().out
     assert "same answers: 8 of 8" in out and out.count(" same\n") == 8
+
+
+def test_stream_lines_split_where_sse_splits_them_only() -> None:
+    """A server may send U+2028 raw inside its JSON (SSE allows it); the bench reads the line whole."""
+    body = 'data: {"a":"x\u2028y\u0085z"}\r\ndata: [DONE]\n\ntail'.encode()
+
+    async def lines() -> list[str]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+        async with httpx.AsyncClient(transport=transport) as http, http.stream("GET", "http://x/") as response:
+            return [line async for line in client.sse_lines(response)]
+
+    assert asyncio.run(lines()) == ['data: {"a":"x\u2028y\u0085z"}', "data: [DONE]", "", "tail"]

@@ -20,6 +20,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -63,13 +64,25 @@ def _error_message(body: bytes) -> str:
         return body.decode("utf-8", "replace")[:200]
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """A stream's lines as SSE ends them, at \n (a \r before it dropped): not httpx's aiter_lines, which also
+    breaks at U+2028 and the like, which servers may send raw inside their JSON."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending
+
+
 async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], record: RequestRecord, t0: float,
                   text: list[str]) -> None:
     usage, chat = None, path == "/chat/completions"
     async with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             raise _ServerError(f"HTTP {response.status_code}: {_error_message(await response.aread())}")
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data:"):
                 continue
             data = line.removeprefix("data:").strip()

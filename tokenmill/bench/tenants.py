@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.client import sse_lines
 from tokenmill.bench.workloads import synthetic_text
 from tokenmill.tenants.keys import hash_key
 
@@ -106,7 +107,7 @@ class _Load:
                     self.errors += 1
                     await response.aread()
                     return
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
