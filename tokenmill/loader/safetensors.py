@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.loader import hf_quant
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.registry import MODEL_CLASSES
 
@@ -61,6 +62,7 @@ def model_config(folder: Path) -> ModelConfig:
         raise ModelFormatError(f"unsupported model_type {model_type!r} in {folder}; supported: "
                                f"{', '.join(hf_names.get(arch, arch) for arch in MODEL_CLASSES)}")
     model_type = _ARCHITECTURE_OF.get(model_type, model_type)
+    hf_quant.scheme_of(cfg, folder)  # a quantization it cannot read is refused now, before any weight
     hidden = cfg["hidden_size"]
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -168,10 +170,15 @@ def _model_names(tensors: Iterator[tuple[str, torch.Tensor]],
 
 
 def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    return _model_names(_read(folder, config, dtype), config.num_experts)
+    """The checkpoint's tensors in `dtype`, under the model's names; a quantized checkpoint's dequantized."""
+    scheme = hf_quant.scheme_of(read_json(folder / "config.json"), folder)
+    if scheme is None:
+        return _model_names(_read(folder, config, dtype), config.num_experts)
+    return _model_names(hf_quant.dequantized(_read(folder, config, None), scheme, dtype), config.num_experts)
 
 
-def _read(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _read(folder: Path, config: ModelConfig, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's files, in `dtype` (None: as stored, for hf_quant to dequantize)."""
     files = sorted(folder.glob("*.safetensors"))
     gemma = config.architecture == "gemma3"
     if not files:
@@ -187,4 +194,4 @@ def _read(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Iterator[tup
                 tensor = handle.get_tensor(name)
                 if gemma and name.endswith(_GEMMA_NORMS):
                     tensor = tensor.float() + 1
-                yield name, tensor.to(dtype, copy=True)
+                yield name, tensor.clone() if dtype is None else tensor.to(dtype, copy=True)
