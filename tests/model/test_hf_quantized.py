@@ -18,11 +18,12 @@ import transformers
 from helpers import hf_configs, our_logits, save_random_hf_model
 from safetensors.torch import load_file, save_file
 from test_fidelity import our_greedy, reference_greedy
-from tolerances import LOGITS_AGAINST_TRANSFORMERS
+from tolerances import KL_AGAINST_FP32, LOGITS_AGAINST_TRANSFORMERS
 
 from tokenmill.config import WeightPlan
 from tokenmill.errors import ModelFormatError
-from tokenmill.loader import load_model
+from tokenmill.layers.quantized import QuantizedWeight
+from tokenmill.loader import load_model, weight_bytes
 from tokenmill.loader.hf_quant import dequantized, scheme_of
 from tokenmill.loader.safetensors import _read
 from tokenmill.loader.safetensors import model_config as read_config
@@ -198,7 +199,8 @@ def test_each_format_dequantizes_exactly_and_serves_transformers_logits(dense: P
 
     model = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     model.load_state_dict({**model.state_dict(), **{f"{m}.weight": w for m, w in references.items()}})
-    loaded = load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
+    # dequantized at load (the kept 4-bit matrices' own bound is the next test's)
+    loaded = load_model(str(folder), WeightPlan(dtype="float32", device="cpu", quantized=False))
     ids = list(range(3, 200, 7))
     with torch.inference_mode():
         diff = (our_logits(loaded, ids) - model(torch.tensor([ids])).logits[0]).abs().max().item()
@@ -253,3 +255,34 @@ def test_a_missing_part_is_named(dense: Path, tmp_path: Path) -> None:
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(ModelFormatError, match=r"lacks model\.layers\.1\.mlp\.down_proj\.scales"):
         load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
+
+
+# Whether each format's matrices are kept in the kernels' 4-bit layout: exactly where that holds their values (act
+# order scatters a group along the input; fp32 scales with a zero point would round scale * q + min twice).
+KEPT = {"gptq": True, "gptq-desc-act": False, "awq": True, "ct-w4a16": True, "ct-w4a16-asym": False,
+        "fp8-block": False, "ct-w8a8": False}
+
+
+@pytest.mark.parametrize("name", list(KEPT))
+def test_4_bit_matrices_are_kept_in_the_kernels_layout_where_that_is_exact(dense: Path, tmp_path: Path,
+                                                                           name: str) -> None:
+    folder = tmp_path / "quantized"
+    references = quantized_folder(dense, folder, name)
+    scheme = scheme_of(json.loads((folder / "config.json").read_text()), folder)
+    ours = dict(dequantized(_read(folder, read_config(folder), None), scheme, torch.float32, keep_quantized=True))
+    for module, reference in references.items():
+        weight = ours[f"{module}.weight"]
+        assert isinstance(weight, QuantizedWeight) == KEPT[name], module
+        values = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+        assert torch.equal(values, reference), module
+
+    kept = load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
+    plain = load_model(str(folder), WeightPlan(dtype="float32", device="cpu", quantized=False))
+    assert (weight_bytes(kept.model)[0] > 0) == KEPT[name] and weight_bytes(plain.model)[0] == 0
+    ids = list(range(3, 200, 7))
+    with torch.inference_mode():
+        ours_log = torch.log_softmax(our_logits(kept, ids).double(), -1)
+        plain_log = torch.log_softmax(our_logits(plain, ids).double(), -1)
+    kl = (plain_log.exp() * (plain_log - ours_log)).sum(-1)
+    kl_mean, kl_max = KL_AGAINST_FP32["fp32-quantized"]  # the kernels round each activation row to 8 bits a block
+    assert kl.mean() < kl_mean and kl.max() < kl_max, f"{name}: KL mean {kl.mean():.2e}, max {kl.max():.2e}"

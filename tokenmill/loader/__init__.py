@@ -115,7 +115,9 @@ def load_model(model: str, plan: WeightPlan = DEFAULT_PLAN, max_model_len: int |
             template_source = (path / "chat_template.jinja").read_text(encoding="utf-8")
         elif (path / "tokenizer_config.json").exists():
             template_source = st_loader.read_json(path / "tokenizer_config.json").get("chat_template")
-        weights = st_loader.load_weights(path, config, torch_dtype)
+        # a quantized checkpoint's 4-bit matrices kept as a GGUF's are (not a mixture of experts': stacked dense)
+        keep = plan.quantized and not config.num_experts and backend.keeps_quantized(dev, False)
+        weights = st_loader.load_weights(path, config, torch_dtype, keep_quantized=keep)
     else:
         raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
     chat_template = ChatTemplate(template_from_metadata(template_source), tokenizer.bos_token, tokenizer.eos_token)

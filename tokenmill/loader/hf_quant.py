@@ -1,11 +1,16 @@
-"""Quantized Hugging Face checkpoints, read by config.json's `quantization_config` and dequantized at load to the
-model's dtype: GPTQ and AWQ 4-bit (AutoGPTQ/GPTQModel and AutoAWQ layouts), FP8 block-wise (`quant_method: fp8`,
-e4m3 weights with `weight_scale_inv`, as Qwen3-*-FP8 and DeepSeek ship them), and compressed-tensors'
-`pack-quantized` (W4A16), `int-quantized` / `naive-quantized` (INT8 W8A8, weights read as int8) and
-`float-quantized` (FP8 per tensor, channel or block).
+"""Quantized Hugging Face checkpoints, read by config.json's `quantization_config`, kept in the kernels' 4-bit
+layout where it holds their values exactly, else dequantized at load to the model's dtype: GPTQ and AWQ 4-bit
+(AutoGPTQ/GPTQModel and AutoAWQ layouts), FP8 block-wise (`quant_method: fp8`, e4m3 weights with
+`weight_scale_inv`, as Qwen3-*-FP8 and DeepSeek ship them), and compressed-tensors' `pack-quantized` (W4A16),
+`int-quantized` / `naive-quantized` (INT8 W8A8, weights read as int8) and `float-quantized` (FP8 per tensor,
+channel or block).
 
-Each module's parts (qweight, scales, zeros, g_idx …) are gathered as the files stream by, then its weight is
-computed in fp32, exactly as the format's reference dequantization computes it, and cast once. Everything the
+Each module's parts (qweight, scales, zeros, g_idx …) are gathered as the files stream by. A 4-bit matrix whose
+groups run along the input in order (no act-order permutation), of a multiple of 32 wide, becomes a QuantizedWeight
+(layers/quantized.py): each group's scale and its zero point as the scale and the min (-scale * zero) of its blocks
+of 32, which dequantizes to the reference's values bit for bit where scale * q and scale * zero are exact in fp32
+(fp16 or bf16 scales: GPTQ and AWQ store fp16; or a symmetric scheme, whose zero is the layout's own). Any other
+matrix is computed in fp32, exactly as the format's reference dequantization computes it, and cast once. Everything the
 model does not quantize (norms, embeddings, the head where ignored) passes through. Anything else is refused at
 start, naming what: an unknown quant_method, bit width, group size or strategy, or a scale whose shape does not fit
 its weight.
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.layers.quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +162,22 @@ _ACTIVATION_PARTS = ("input_scale", "input_zero_point", "output_scale", "output_
                      "weight_global_scale")
 
 
-def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], scheme: Scheme, dtype: torch.dtype
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with every quantized module's parts replaced by its weight in `dtype`, the rest
-    cast to `dtype`."""
+def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], scheme: Scheme, dtype: torch.dtype,
+                keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The checkpoint's tensors with every quantized module's parts replaced by its weight (in the kernels' 4-bit
+    layout where keep_quantized and it fits exactly, else in `dtype`), the rest cast to `dtype`."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    count = 0
+    count = kept = 0
+
+    def weight(module: str, fmt: str, args: Args, parts: dict[str, torch.Tensor]) -> torch.Tensor | QuantizedWeight:
+        nonlocal count, kept
+        count += 1
+        blocks = _as_blocks(module, fmt, args, scheme, parts) if keep_quantized else None
+        if blocks is not None:
+            kept += 1
+            return blocks
+        return _dequantize(module, fmt, args, scheme, parts).to(dtype)
+
     for name, tensor in tensors:
         module, _, suffix = name.rpartition(".")
         found = _format_of(scheme, module, suffix, tensor)
@@ -173,18 +189,16 @@ def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], scheme: Scheme, dty
         parts = pending.setdefault(module, {})
         parts[suffix] = tensor
         if len(parts) == len(_PARTS[fmt]):  # every part it may have: done now (else once the files are read)
-            count += 1
-            yield f"{module}.weight", _dequantize(module, fmt, args, scheme, pending.pop(module)).to(dtype)
+            yield f"{module}.weight", weight(module, fmt, args, pending.pop(module))
     for module, parts in pending.items():
         first = next(iter(parts))
         fmt, args = _format_of(scheme, module, first, parts[first])  # type: ignore[misc]
         missing = [p for p, required in _PARTS[fmt].items() if required is None and p not in parts]
         if missing:
             raise ModelFormatError(f"the checkpoint lacks {module}.{missing[0]} ({scheme.method})")
-        count += 1
-        yield f"{module}.weight", _dequantize(module, fmt, args, scheme, parts).to(dtype)
-    log.info("%s checkpoint: %d matrices dequantized to %s at load", scheme.describe(), count,
-             str(dtype).removeprefix("torch."))
+        yield f"{module}.weight", weight(module, fmt, args, parts)
+    log.info("%s checkpoint: %d matrices kept in 4 bits, %d dequantized to %s at load", scheme.describe(), kept,
+             count - kept, str(dtype).removeprefix("torch."))
 
 
 def _format_of(scheme: Scheme, module: str, suffix: str, tensor: torch.Tensor) -> tuple[str, Args] | None:
@@ -240,6 +254,58 @@ def _dequantize(module: str, fmt: str, args: Args, scheme: Scheme, parts: dict[s
     zero = parts.get("weight_zero_point")
     return _scaled(module, args, q, parts["weight_scale"], None if zero is None else zero.to(torch.int32),
                    parts.get("weight_g_idx"))
+
+
+def _as_blocks(module: str, fmt: str, args: Args, scheme: Scheme, parts: dict[str, torch.Tensor]
+               ) -> QuantizedWeight | None:
+    """A 4-bit matrix in the kernels' layout, or None where that would not hold the reference's values exactly."""
+    if fmt not in ("gptq", "awq", "pack-quantized"):
+        return None
+    if fmt == "gptq":
+        qweight = parts["qweight"]
+        q = _unpack_rows(qweight.t().contiguous())  # [out, in]
+        zero = (_unpack_rows(parts["qzeros"]) + scheme.zeros_offset).t()  # [out, groups]
+        scale = parts["scales"].t()
+        if "g_idx" in parts and not torch.equal(parts["g_idx"].long(), torch.arange(q.shape[1]) //
+                                                (args.group_size or q.shape[1])):
+            return None  # act-order: a group's columns are scattered along the input
+    elif fmt == "awq":
+        q = _unpack_rows(parts["qweight"], _AWQ_ORDER).t()
+        zero = _unpack_rows(parts["qzeros"], _AWQ_ORDER).t()
+        scale = parts["scales"].t()
+    else:
+        if args.strategy not in ("group", "channel") or parts.get("weight_g_idx") is not None:
+            return None
+        rows, cols = (int(v) for v in parts["weight_shape"].tolist())
+        q = _unpack_rows(parts["weight_packed"])[:, :cols]  # stored with an offset of 8: zero 8 is symmetric's
+        scale = parts["weight_scale"]
+        stored = parts.get("weight_zero_point")
+        zero = torch.full_like(scale, 8, dtype=torch.int32) if stored is None else \
+            _unpack_rows(stored.t().contiguous()).t()[:rows]
+        if tuple(scale.shape) != (rows, 1 if args.strategy == "channel" else -(-cols // (args.group_size or cols))):
+            return None  # _dequantize names the mismatch
+    rows, cols = q.shape
+    group = args.group_size or cols
+    if cols % 32 or group % 32 or tuple(scale.shape) != (rows, -(-cols // group)) or zero.shape != scale.shape:
+        return None
+    exact = scale.dtype in (torch.float16, torch.bfloat16)
+    symmetric = bool((zero == 8).all())
+    if not (exact or symmetric):
+        return None
+    per_block = group // 32
+    scales = scale.float().repeat_interleave(per_block, dim=1)[:, :cols // 32]
+    nibbles = q.to(torch.uint8).view(rows, cols // 32, 2, 16)
+    packed = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(rows, cols // 2)
+    if symmetric:
+        return QuantizedWeight.interleave(packed, _narrowest(scales), None, 8, 32)
+    mins = -(scale.float() * zero.float()).repeat_interleave(per_block, dim=1)[:, :cols // 32]
+    return QuantizedWeight.interleave(packed, scales, mins, 0, 32)
+
+
+def _narrowest(scales: torch.Tensor) -> torch.Tensor:
+    """fp16 where that holds every scale (the kernel reads 2 bytes less a block), else fp32."""
+    half = scales.half()
+    return half if torch.equal(half.float(), scales) else scales
 
 
 def _scaled(module: str, args: Args, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.layers.quantized import QuantizedWeight
 from tokenmill.loader import hf_quant
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.registry import MODEL_CLASSES
@@ -135,8 +136,7 @@ def _moe_config(cfg: dict[str, Any], config: ModelConfig, folder: Path) -> None:
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
 
 
-def _model_names(tensors: Iterator[tuple[str, torch.Tensor]],
-                 num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _model_names(tensors: Iterator[tuple[str, Any]], num_experts: int) -> Iterator[tuple[str, Any]]:
     """Checkpoint tensors under the names and stacking the model takes: per-expert matrices stacked
     [experts, ...] once a layer's last one arrives (Qwen3-MoE, OLMoE), Granite's block_sparse_moe renamed (its
     input_linear holds each expert's gate, then its up)."""
@@ -169,12 +169,15 @@ def _model_names(tensors: Iterator[tuple[str, torch.Tensor]],
         raise ModelFormatError(f"the checkpoint lacks {prefix}.{missing[0]}.{leaf}.weight")
 
 
-def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors in `dtype`, under the model's names; a quantized checkpoint's dequantized."""
+def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The checkpoint's tensors in `dtype`, under the model's names; a quantized checkpoint's 4-bit matrices in the
+    kernels' layout where keep_quantized (and that holds them exactly), its others dequantized."""
     scheme = hf_quant.scheme_of(read_json(folder / "config.json"), folder)
     if scheme is None:
         return _model_names(_read(folder, config, dtype), config.num_experts)
-    return _model_names(hf_quant.dequantized(_read(folder, config, None), scheme, dtype), config.num_experts)
+    return _model_names(hf_quant.dequantized(_read(folder, config, None), scheme, dtype, keep_quantized),
+                        config.num_experts)
 
 
 def _read(folder: Path, config: ModelConfig, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
