@@ -257,10 +257,11 @@ def test_a_missing_part_is_named(dense: Path, tmp_path: Path) -> None:
         load_model(str(folder), WeightPlan(dtype="float32", device="cpu"))
 
 
-# Whether each format's matrices are kept in the kernels' 4-bit layout: exactly where that holds their values (act
-# order scatters a group along the input; fp32 scales with a zero point would round scale * q + min twice).
+# Whether each format's matrices are kept in the kernels' 4-bit (W8A8's: one-byte) layout: exactly where that holds
+# their values (act order scatters a group along the input; fp32 scales and a zero point: scale * q + min would
+# round twice).
 KEPT = {"gptq": True, "gptq-desc-act": False, "awq": True, "ct-w4a16": True, "ct-w4a16-asym": False,
-        "fp8-block": False, "ct-w8a8": False}
+        "fp8-block": False, "ct-w8a8": True, "ct-fp8-channel": False}
 
 
 @pytest.mark.parametrize("name", list(KEPT))

@@ -115,8 +115,9 @@ def load_model(model: str, plan: WeightPlan = DEFAULT_PLAN, max_model_len: int |
             template_source = (path / "chat_template.jinja").read_text(encoding="utf-8")
         elif (path / "tokenizer_config.json").exists():
             template_source = st_loader.read_json(path / "tokenizer_config.json").get("chat_template")
-        # a quantized checkpoint's 4-bit matrices kept as a GGUF's are (not a mixture of experts': stacked dense)
-        keep = plan.quantized and not config.num_experts and backend.keeps_quantized(dev, False)
+        # a quantized checkpoint's 4- and 8-bit matrices kept as a GGUF's are, on CPU (not a mixture of experts':
+        # its expert stacks are dense; the GPU's kernels are not checked on these layouts yet)
+        keep = plan.quantized and dev.type == "cpu" and not config.num_experts and backend.keeps_quantized(dev, False)
         weights = st_loader.load_weights(path, config, torch_dtype, keep_quantized=keep)
     else:
         raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")

@@ -9,11 +9,11 @@ Each module's parts (qweight, scales, zeros, g_idx …) are gathered as the file
 groups run along the input in order (no act-order permutation), of a multiple of 32 wide, becomes a QuantizedWeight
 (layers/quantized.py): each group's scale and its zero point as the scale and the min (-scale * zero) of its blocks
 of 32, which dequantizes to the reference's values bit for bit where scale * q and scale * zero are exact in fp32
-(fp16 or bf16 scales: GPTQ and AWQ store fp16; or a symmetric scheme, whose zero is the layout's own). Any other
-matrix is computed in fp32, exactly as the format's reference dequantization computes it, and cast once. Everything the
-model does not quantize (norms, embeddings, the head where ignored) passes through. Anything else is refused at
-start, naming what: an unknown quant_method, bit width, group size or strategy, or a scale whose shape does not fit
-its weight.
+(fp16 or bf16 scales: GPTQ and AWQ store fp16; or a symmetric scheme, whose zero is the layout's own). A symmetric
+int8 matrix (W8A8's weights) takes the one-byte layout, its scale on each block. Any other matrix is computed in
+fp32, exactly as the format's reference dequantization computes it, and cast once. Everything the model does not
+quantize (norms, embeddings, the head where ignored) passes through. Anything else is refused at start, naming
+what: an unknown quant_method, bit width, group size or strategy, or a scale whose shape does not fit its weight.
 """
 
 from __future__ import annotations
@@ -259,6 +259,8 @@ def _dequantize(module: str, fmt: str, args: Args, scheme: Scheme, parts: dict[s
 def _as_blocks(module: str, fmt: str, args: Args, scheme: Scheme, parts: dict[str, torch.Tensor]
                ) -> QuantizedWeight | None:
     """A 4-bit matrix in the kernels' layout, or None where that would not hold the reference's values exactly."""
+    if fmt in ("int-quantized", "naive-quantized"):
+        return _as_int8_blocks(args, parts)
     if fmt not in ("gptq", "awq", "pack-quantized"):
         return None
     if fmt == "gptq":
@@ -300,6 +302,26 @@ def _as_blocks(module: str, fmt: str, args: Args, scheme: Scheme, parts: dict[st
         return QuantizedWeight.interleave(packed, _narrowest(scales), None, 8, 32)
     mins = -(scale.float() * zero.float()).repeat_interleave(per_block, dim=1)[:, :cols // 32]
     return QuantizedWeight.interleave(packed, scales, mins, 0, 32)
+
+
+def _as_int8_blocks(args: Args, parts: dict[str, torch.Tensor]) -> QuantizedWeight | None:
+    """A symmetric int8 matrix (W8A8's weights) as the kernels' one-byte layout, its scale repeated over each block
+    of 32: q * scale, as the reference computes it."""
+    q = parts["weight"]
+    rows, cols = q.shape
+    if q.dtype != torch.int8 or parts.get("weight_zero_point") is not None or cols % 32:
+        return None
+    scale = parts["weight_scale"].float()
+    if args.strategy == "channel" and tuple(scale.shape) == (rows, 1):
+        blocks = scale.expand(rows, cols // 32)
+    elif args.strategy == "group" and (args.group_size or 1) % 32 == 0 and \
+            tuple(scale.shape) == (rows, -(-cols // (args.group_size or cols))):
+        blocks = scale.repeat_interleave((args.group_size or cols) // 32, dim=1)[:, :cols // 32]
+    elif args.strategy == "tensor" and scale.numel() == 1:
+        blocks = scale.reshape(1, 1).expand(rows, cols // 32)
+    else:
+        return None
+    return QuantizedWeight.interleave(q, _narrowest(blocks.contiguous()), None, 0, 32)
 
 
 def _narrowest(scales: torch.Tensor) -> torch.Tensor:
