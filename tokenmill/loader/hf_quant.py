@@ -197,8 +197,8 @@ def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], scheme: Scheme, dty
         if missing:
             raise ModelFormatError(f"the checkpoint lacks {module}.{missing[0]} ({scheme.method})")
         yield f"{module}.weight", weight(module, fmt, args, parts)
-    log.info("%s checkpoint: %d matrices kept in 4 bits, %d dequantized to %s at load", scheme.describe(), kept,
-             count - kept, str(dtype).removeprefix("torch."))
+    log.info("%s checkpoint: %d matrices kept quantized in the kernels' layouts, %d dequantized to %s at load",
+             scheme.describe(), kept, count - kept, str(dtype).removeprefix("torch."))
 
 
 def _format_of(scheme: Scheme, module: str, suffix: str, tensor: torch.Tensor) -> tuple[str, Args] | None:
