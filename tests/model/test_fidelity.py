@@ -112,3 +112,20 @@ def test_smollm2_quantized_kernels_track_fp32(smollm: LoadedModel, smollm_path: 
     quantized = load_model(str(smollm_path), WeightPlan(dtype="float32", device="cpu"))
     assert any(isinstance(m, QuantizedLinear) for m in quantized.model.modules())
     assert_tracks_fp32(smollm, quantized)
+
+
+def test_a_tied_bf16_table_is_held_once_and_looked_up_as_it_is(tmp_path: Path) -> None:
+    """With the kernels' bf16 layout, a tied head's table is the one the lookup reads: one copy, the same rows."""
+    from safetensors.torch import load_file
+
+    from tokenmill.layers.quantized import QuantizedEmbedding, QuantizedLinear
+
+    save_random_hf_model(tmp_path, hf_configs()["qwen2"])  # tie_word_embeddings
+    loaded = load_model(str(tmp_path), WeightPlan(dtype="bfloat16", device="cpu"))
+    head, embed = loaded.model.lm_head, loaded.model.model.embed_tokens
+    if not isinstance(head, QuantizedLinear):
+        pytest.skip("this CPU's kernels do not run bf16 matrices")
+    assert isinstance(embed, QuantizedEmbedding) and embed.weight is head.weight
+    table = load_file(str(tmp_path / "model.safetensors"))["model.embed_tokens.weight"].to(torch.bfloat16)
+    ids = torch.tensor([[0, 5, 255, 17], [3, 3, 2, 1]])
+    assert torch.equal(embed(ids), table[ids])

@@ -266,7 +266,8 @@ def linear_module(weight: QuantizedWeight | gpu.QuantizedRows, bias: torch.Tenso
 
 
 class QuantizedEmbedding(nn.Module):
-    """Rows of a quantized table, dequantized as they are looked up (on the CPU or, as gpu.QuantizedRows, a GPU)."""
+    """Rows of a quantized table, dequantized as they are looked up (on the CPU or, as gpu.QuantizedRows, a GPU);
+    or of a tied head's bf16 table in the kernels' 16-bit layout, read back as they are."""
 
     def __init__(self, weight: QuantizedWeight | gpu.QuantizedRows, dtype: torch.dtype) -> None:
         super().__init__()
@@ -275,7 +276,7 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if isinstance(w, QuantizedWeight) and backend.cpu_kernels(ids.device):
+        if isinstance(w, QuantizedWeight) and w.bits < 16 and backend.cpu_kernels(ids.device):
             rows = kernel_dequantize(w, self.dtype, ids.flatten())
         else:
             rows = w.dequantize(self.dtype, rows=ids.flatten())

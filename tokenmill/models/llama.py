@@ -323,10 +323,17 @@ class LlamaForCausalLM(nn.Module):
 
     def keep_bf16_for_kernels(self, exact_only: bool) -> int:
         """Swap the dense Linears for the kernels' bf16 layout (layers/quantized.py's bf16_linears); a tied output
-        head gets its copy of the embeddings, as prepack_weights gives it a packed one. Returns how many."""
-        if self.config.tie_word_embeddings and not hasattr(self, "lm_head"):
+        head gets the embeddings in that layout, and the lookup then reads the head's rows: one copy of the table,
+        not two. Returns how many."""
+        tied = self.config.tie_word_embeddings and not hasattr(self, "lm_head")
+        if tied:
             self.lm_head = linear_of(self.model.embed_tokens.weight, None)
-        return bf16_linears(self, exact_only)
+        kept = bf16_linears(self, exact_only)
+        head = self.lm_head
+        if tied and isinstance(head, QuantizedLinear) and head.weight.bits == 16:
+            self.set_submodule("model.embed_tokens", QuantizedEmbedding(head.weight,
+                                                                         self.model.embed_tokens.weight.dtype))
+        return kept
 
     def make_row_invariant(self) -> None:
         """Deterministic mode: every dense matmul, the tied output head's too, on fixed row tiles."""
