@@ -92,11 +92,11 @@ def test_quantized_weights_load_to_the_values_their_blocks_hold(qtype: str, tmp_
     if quant_type not in QUANTIZED_TYPES and not bf16 or not runs_kernels:
         assert not quantized
         return
-    if bf16:  # bf16 values: the matrices in the kernels' 16-bit layout, the tied head a copy (the embeddings dense)
-        assert len(quantized) == 2 * 4 + 1 and {m.weight.bits for m in quantized.values()} == {16}, sorted(quantized)
-    else:  # q/k/v and gate/up of one layer each stacked in one matrix, o and down, the embeddings and the tied head
-        assert len(quantized) == 2 * 4 + 2, sorted(quantized)
-        assert quantized["lm_head"].weight is quantized["model.embed_tokens"].weight  # tied: one copy in memory
+    if bf16:  # bf16 values: the matrices in the kernels' 16-bit layout, the lookup reading the tied head's rows
+        assert {m.weight.bits for m in quantized.values()} == {16}, sorted(quantized)
+    # q/k/v and gate/up of one layer each stacked in one matrix, o and down, the embeddings and the tied head
+    assert len(quantized) == 2 * 4 + 2, sorted(quantized)
+    assert quantized["lm_head"].weight is quantized["model.embed_tokens"].weight  # tied: one copy in memory
     for name, module in quantized.items():
         expected = plain["model.embed_tokens" if name == "lm_head" else name].weight
         assert torch.equal(module.weight.dequantize(), expected), name
