@@ -270,3 +270,16 @@ def test_a_bad_usage_query_is_a_400_naming_the_field(server: ServerThread, param
     assert response.status_code == 400 and response.json()["error"]["param"] == param
     assert httpx.get(server.root_url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS['root']}"}
                      ).status_code == 200
+
+
+def test_the_prefix_cache_is_shared_within_a_tenant_only(server: ServerThread) -> None:
+    """A tenant cannot tell from its cached tokens (or its time to first token) that another sent the same prompt."""
+    long = [{"role": "user", "content": "a shared system prompt of some length " * 12}]
+
+    def cached(tenant: str) -> int:
+        usage = sdk(server, tenant).chat.completions.create(model=MODEL, messages=long, max_tokens=1).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert cached("alice") == 0
+    assert cached("bob") == 0  # alice's KV for the same prompt is not bob's to reuse
+    assert cached("alice") > 0 and cached("bob") > 0  # each reuses its own
