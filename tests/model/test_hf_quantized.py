@@ -50,12 +50,20 @@ def pack_output_dim(q: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -
     return _int32(sum(q[:, :, order[j]] << (4 * j) for j in range(8)))
 
 
-def gptq(weight: torch.Tensor, gen: torch.Generator, desc_act: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    out, inp = weight.shape
+def random_4bit(inp: int, out: int, gen: torch.Generator, lowest_zero: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's and AWQ's parts as numbers: 4-bit values [in, out], each group's zero points and fp16 scales [groups,
+    out]."""
     groups = inp // GROUP
     q = torch.randint(0, 16, (inp, out), generator=gen)
-    zero = torch.randint(1, 16, (groups, out), generator=gen)
+    zero = torch.randint(lowest_zero, 16, (groups, out), generator=gen)
     scales = (torch.rand(groups, out, generator=gen) * 0.05 + 0.01).half()
+    return q, zero, scales
+
+
+def gptq(weight: torch.Tensor, gen: torch.Generator, desc_act: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    out, inp = weight.shape
+    q, zero, scales = random_4bit(inp, out, gen, lowest_zero=1)  # GPTQ v1 stores zero - 1: none below 1
     g_idx = torch.arange(inp) // GROUP
     if desc_act:
         g_idx = g_idx[torch.randperm(inp, generator=gen)]
@@ -70,10 +78,7 @@ def gptq(weight: torch.Tensor, gen: torch.Generator, desc_act: bool) -> tuple[di
 
 def awq(weight: torch.Tensor, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     out, inp = weight.shape
-    groups = inp // GROUP
-    q = torch.randint(0, 16, (inp, out), generator=gen)
-    zero = torch.randint(0, 16, (groups, out), generator=gen)
-    scales = (torch.rand(groups, out, generator=gen) * 0.05 + 0.01).half()
+    q, zero, scales = random_4bit(inp, out, gen, lowest_zero=0)
     group = torch.arange(inp) // GROUP
     reference = (scales[group].float() * (q - zero[group]).float()).t().contiguous()
     parts = {"qweight": pack_output_dim(q, AWQ_ORDER_MAP), "qzeros": pack_output_dim(zero, AWQ_ORDER_MAP),

@@ -7,7 +7,7 @@ import asyncio
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import NOBODY, Owner, SequenceOutput
@@ -31,20 +31,21 @@ class Account:
     max_tokens: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Charge:
     """What a sequence's end counts in its request's usage: its prompt once per prompt (its first choice's), the
-    request once (its first sequence's), as the answer's usage counts them."""
+    request once (its first sequence's), as the answer's usage counts them; once, though an error may follow a
+    finished sequence's last output."""
 
     account: Account
     prompt: bool = True
     request: bool = True
-    recorded: list[bool] = field(default_factory=list)
+    recorded: bool = False
 
     def record(self, out: SequenceOutput) -> None:
         if self.account.ledger is None or out.finish_reason == "error" or self.recorded:
             return  # a failed sequence's answer is an error, with no usage
-        self.recorded.append(True)
+        self.recorded = True
         usage = Usage(out.prompt_tokens if self.prompt else 0, out.completion_tokens,
                       out.cached_tokens if self.prompt else 0, int(self.request))
         self.account.ledger.record(self.account.tenant, self.account.model, usage)

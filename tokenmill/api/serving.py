@@ -110,9 +110,9 @@ async def serving_for(request: Request, body: RequestModel) -> AsyncIterator[Ser
             config = replace(config, tool_call_parser=hosted.spec.tool_call_parser)
         adapter = hosting.pool.adapter_of(name)  # a LoRA adapter answers as itself
         model_id = adapter or hosted.name
-        client = EngineClient(hosted.engine, adapter, account_of(hosting, tenant, model_id))
-        yield Serving(hosted.engine, client, model_id, config, hosting.state, hosting.responses,
-                      ANONYMOUS if tenant is None else tenant.name)
+        account = account_of(hosting, tenant, model_id)
+        yield Serving(hosted.engine, EngineClient(hosted.engine, adapter, account), model_id, config, hosting.state,
+                      hosting.responses, account.tenant)
 
 
 async def compile_grammar(serving: Serving, found: tuple[StructuredSpec, str] | None) -> CompiledGrammar | None:

@@ -259,7 +259,10 @@ class Scheduler:
         return sorted(owners.values(), key=lambda entry: str(entry["tenant"]))
 
     def _count_service(self, plan: list[ScheduledSequence]) -> None:
-        """Each owner's service of a step that ran, and the decay of what came before."""
+        """Each owner's service of a step that ran, and the decay of what came before (nothing to count on a server
+        without tenants: every sequence is the one nameless owner's)."""
+        if not self.served and not any(item.seq.owner.name for item in plan):
+            return
         ran = sum(item.num_tokens for item in plan)
         decay = 0.5 ** (ran / FAIR_SHARE_HALF_LIFE)
         served = {name: value * decay for name, value in self.served.items() if value * decay > 1e-3}
