@@ -39,6 +39,7 @@ TARGETS = {
                                                            "tests/unit/test_guards.py")),
     "usage": Target("tokenmill/tenants/usage.py", ("tests/unit/test_tenants.py",)),
     "hf_quant": Target("tokenmill/loader/hf_quant.py", ("tests/model/test_hf_quantized.py",)),
+    "kv_quant": Target("tokenmill/layers/kv_quant.py", ("tests/unit/test_kv_quant.py",)),
     "sharding": Target("tokenmill/parallel/sharding.py", ("tests/unit/test_parallel.py",)),
     "models_file": Target("tokenmill/hosting/specs.py", ("tests/unit/test_models_file.py",)),
     "pool": Target("tokenmill/hosting/pool.py", ("tests/e2e/test_many_models.py",)),

@@ -111,7 +111,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
               "chat_template"),
     "several models": ("models_file", "max_memory", "keep_alive", "model_load_timeout"),
     "scheduling and KV memory": ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_queued_requests",
-                                 "fair_share", "seed", "deterministic"),
+                                 "kv_cache_dtype", "fair_share", "seed", "deterministic"),
     "LoRA adapters": ("lora", "enable_lora", "max_loras", "max_lora_rank"),
     "tensor parallelism": ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"),
     "speculative decoding": ("speculative", "draft_model", "num_speculative_tokens", "prompt_lookup_min",
@@ -153,6 +153,10 @@ class EngineConfig:
     kv: str = option("paged", "KV memory layout: paged (a pool of fixed-size blocks) or contiguous (one buffer per "
                             "sequence, reserved for its whole length)", ("paged", "contiguous"))
     block_size: int = option(16, "tokens per KV block (paged)")
+    kv_cache_dtype: str = option("auto", "the KV cache's numbers: auto (the compute dtype), bf16, or quantized "
+                                         "with a scale per token and KV head, int8 or fp8_e4m3 (fp8): about twice "
+                                         "the tokens in the same memory (paged, CPU)",
+                                 ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "int8"))
     prefix_caching: bool = option(True, "share the KV of prompt prefixes computed before (radix tree over blocks)")
     sliding_window_kv: bool = option(True, "paged, a model with sliding-window layers (Gemma 3): those layers keep "
                                            "only the blocks their window sees, in a pool of their own sized for "
@@ -301,6 +305,9 @@ class EngineConfig:
                               f"{self.nnodes - 1}")
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr): where the hosts' ranks meet")
+        if self.kv_cache_dtype != "auto" and self.kv != "paged":
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype} needs --kv paged: a cache of its own dtype "
+                              "lives in the block pool")
         if self.tensor_parallel_size > 1 and self.kv != "paged":
             raise ConfigError("--tensor-parallel-size needs --kv paged: every rank's pool holds the same blocks")
         if self.kv_cache_memory:  # None or "": the default

@@ -82,6 +82,7 @@ def _fails_at_start(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus'"),
     (["--speculative", "eagle"], "argument --speculative: invalid choice: 'eagle'"),
     (["--tool-call-parser", "mistral"], "argument --tool-call-parser: invalid choice: 'mistral'"),
+    (["--kv-cache-dtype", "int4"], "argument --kv-cache-dtype: invalid choice: 'int4'"),
 ])
 def test_a_value_outside_a_flags_choices_is_refused_by_the_parser(flags: list[str], said: str,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,6 +96,7 @@ def test_a_value_outside_a_flags_choices_is_refused_by_the_parser(flags: list[st
     (["--draft-model", "d.gguf"], "tokenmill: --draft-model is read with --speculative draft only\n"),
     (["--kv-cache-memory", "lots"], "tokenmill: cannot read 'lots' as a size"),
     (["--deterministic", "--kv", "contiguous"], "tokenmill: --deterministic needs --kv paged"),
+    (["--kv-cache-dtype", "int8", "--kv", "contiguous"], "tokenmill: --kv-cache-dtype int8 needs --kv paged"),
     (["--prompt-lookup-min", "4", "--prompt-lookup-max", "2"],
      "tokenmill: --prompt-lookup-min 4 --prompt-lookup-max 2: "),
     (["--max-num-batched-tokens", "0"], "tokenmill: --max-num-batched-tokens 0: at least 1\n"),
@@ -166,9 +168,11 @@ def test_the_choices_of_a_flag_are_those_its_reader_knows() -> None:
     is held equal to its owner's."""
     from tokenmill.api.tools.parsers import PARSERS
     from tokenmill.backend import DTYPES
+    from tokenmill.layers.kv_quant import KV_CACHE_DTYPES
 
     assert _choices(ServerConfig, "tool_call_parser") == sorted(PARSERS)
     assert _choices(EngineConfig, "dtype") == sorted(["auto", *DTYPES])
+    assert _choices(EngineConfig, "kv_cache_dtype") == sorted(KV_CACHE_DTYPES)
 
 
 def test_the_early_sockets_take_the_port_as_a_running_server_does() -> None:

@@ -93,11 +93,12 @@ def write_model(path: Path, qtype: QType, bias: bool, bf16_values_but: str | Non
     return write_gguf(path, "qwen2" if bias else "llama", tiny_metadata(256), tensors, qtype=qtype)
 
 
-def new_cache(loaded: LoadedModel, num_blocks: int = 32, sliding: bool = False) -> PagedKVCache:
+def new_cache(loaded: LoadedModel, num_blocks: int = 32, sliding: bool = False,
+              kv_dtype: torch.dtype | None = None) -> PagedKVCache:
     """sliding: the model's sliding-window layers in a pool of their own, which lets go of the blocks a window
-    has passed."""
+    has passed; kv_dtype: the pool's (the model's where None)."""
     c = loaded.config
-    return PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype, c.sliding_layers,
+    return PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or loaded.dtype, c.sliding_layers,
                                c.sliding_window), loaded.device, num_blocks=num_blocks, block_size=16,
                         sliding_blocks=num_blocks if sliding else 0)
 
@@ -161,6 +162,22 @@ def test_the_fused_decode_layer_equals_the_per_op_layer(tmp_path: Path, qtype: Q
     fused, per_op = load_fused_and_per_op(write_model(tmp_path / "m.gguf", qtype, bias))
     assert (fused.model.model.layers[0].self_attn.qkv_proj.bias is not None) == bias
     assert_fused_decode_steps_equal_per_op(fused, per_op)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_the_fused_decode_layer_writes_and_reads_a_quantized_pool_as_the_per_op_layer(tmp_path: Path,
+                                                                                       kv_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype int8 / fp8_e4m3: the same bits in the pools and in the hidden states."""
+    fused, per_op = load_fused_and_per_op(write_model(tmp_path / "m.gguf", QType.Q4_1, False))
+    runs = fused_steps(fused)
+    caches = [new_cache(loaded, kv_dtype=kv_dtype) for loaded in (fused, per_op)]
+    for ours, reference in zip(decode_steps(fused, PROMPTS, 3, caches[0]), decode_steps(per_op, PROMPTS, 3, caches[1]),
+                               strict=True):
+        assert torch.equal(ours, reference)
+    assert len(runs) == 3
+    assert caches[0].k.dtype == kv_dtype and caches[0].k.shape[-1] == 64 + 4
+    for pool in ("k", "v"):
+        assert torch.equal(getattr(caches[0], pool).view(torch.uint8), getattr(caches[1], pool).view(torch.uint8))
 
 
 def write_normed_model(path: Path, architecture: str, qtype: QType) -> Path:

@@ -5,6 +5,7 @@
     python -m tokenmill.bench.decode MODEL --device cuda --dtype bfloat16 --streams 1 32 256 --graphs both \\
         --row-matmul both --prefill --profile
     python -m tokenmill.bench.decode MODEL --tensor-parallel-size 1 2 --threads 2 --streams 1 8
+    python -m tokenmill.bench.decode MODEL --dtype bfloat16 --kv-cache-dtype auto int8 fp8_e4m3 --long 2531
 
 Each run sends --streams requests at once (the stream counts taking turns, run by run), each generating --tokens
 tokens greedily with ignore_eos. Decode speed is the tokens that arrive while every stream decodes, over that window
@@ -284,11 +285,14 @@ def main() -> None:
     parser.add_argument("--bf16-kernels", choices=["on", "off", "both"], default="on",
                         help="CPU: dense matrices of bf16 values run tokenmill's kernels (off: --no-bf16-kernels, "
                              "oneDNN's matmuls; both: each, in its own process)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                        help="the KV cache's dtypes, each in its own run (auto, bf16, int8, fp8_e4m3)")
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads")
-    print(f"{'dtype':<10} {'tp':<3} {'fused':<6} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} {'pdl':<4} "
+    print(f"{'dtype':<10} {'kv':<8} {'tp':<3} {'fused':<6} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} "
+          f"{'pdl':<4} "
           f"{'streams':>7} "
           f"{'median tok/s':>12} "
           f"{'min':>9} {'max':>9} {'weights GB/s':>12} {'step ms':>8} {'x 1 row':>7}")
@@ -296,17 +300,17 @@ def main() -> None:
     timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads,
                     args.long)
     both = {"on": [True], "off": [False], "both": [False, True]}
-    runs = [(d, q, g, r, p, k, tp, f) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
+    runs = [(d, q, g, r, p, k, tp, f, kv) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
             for r in both[args.row_matmul] for p in both[args.pdl] for k in both[args.bf16_kernels]
-            for tp in args.tensor_parallel_size for f in both[args.fused_decode]]
-    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused in runs:
+            for tp in args.tensor_parallel_size for f in both[args.fused_decode] for kv in args.kv_cache_dtype]
+    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused, kv in runs:
         config = EngineConfig(model=args.model, dtype=dtype, device=args.device, quantized_weights=quantized,
                               max_num_seqs=max(args.streams), enforce_eager=not graphs, gpu_row_matmul=row,
                               gpu_pdl=pdl, bf16_kernels=bf16_kernels, tensor_parallel_size=tp,
-                              fused_decode_layers=fused,
+                              fused_decode_layers=fused, kv_cache_dtype=kv,
                               threads=max(1, threads // tp) if tp > 1 else args.threads)
         result = _in_fresh_process(spawn, config, replace(timing, threads=None) if tp > 1 else timing)
-        mode = (f"{tp:<3} {'on' if fused else 'off':<6} {'on' if result['quantized'] else 'off':<6} "
+        mode = (f"{kv:<8} {tp:<3} {'on' if fused else 'off':<6} {'on' if result['quantized'] else 'off':<6} "
                 f"{'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
@@ -332,7 +336,8 @@ def main() -> None:
                   f"{statistics.median(first):.2f} s ({min(first):.2f}-{max(first):.2f}), then "
                   f"{statistics.median(per_token):.2f} ms a token ({min(per_token):.2f}-{max(per_token):.2f})")
         if "profile" in result:
-            print(f"profile, {dtype}, quantized, bf16 kernels, graphs, row matmul and PDL {' '.join(mode.split())}:\n"
+            print(f"profile, {dtype}, kv, tp, fused, quantized, bf16 kernels, graphs, row matmul and PDL "
+                  f"{' '.join(mode.split())}:\n"
                   f"{result['profile']}")
 
 def _in_fresh_process(spawn: Any, config: EngineConfig, timing: Timing) -> dict:

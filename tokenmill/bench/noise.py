@@ -100,10 +100,11 @@ def gaps(engine: Engine, prompts: list[list[int]]) -> Gaps:
     return Gaps(together.longer, together.one_token + alone.one_token)
 
 
-def prefill_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prompt, prefilled whole on the model's device, returned on the CPU."""
+def prefill_logits(loaded: LoadedModel, ids: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits at every position of one prompt, prefilled whole on the model's device, returned on the CPU; kv_dtype:
+    the KV pool's (the model's dtype where None), which every row's attention reads, its own key included."""
     c = loaded.config
-    spec = KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype)
+    spec = KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or loaded.dtype)
     cache = PagedKVCache(spec, loaded.device, num_blocks=len(ids) // 16 + 1, block_size=16)
     assert cache.reserve(0, len(ids), len(ids))
     with torch.inference_mode():

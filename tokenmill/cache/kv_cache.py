@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.cache.block_pool import BlockPool
 from tokenmill.cache.prefix_cache import RadixCache
+from tokenmill.layers import kv_quant
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class KVSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the pool's: the compute dtype's, or a quantized one (layers/kv_quant.py)
     # True where layer i attends to its last `window` keys only (Gemma 3's sliding layers); () where all are global.
     sliding_layers: tuple[bool, ...] = ()
     window: int = 0
@@ -37,7 +38,12 @@ class KVSpec:
 
     @property
     def layer_bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_kv_heads * self.row_width * self.dtype.itemsize
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one KV head's row of a token (a quantized pool's numbers and their scale)."""
+        return kv_quant.row_width(self.dtype, self.head_dim)
 
     @property
     def num_sliding(self) -> int:
@@ -67,7 +73,7 @@ class Pool:
 
     @staticmethod
     def build(spec: KVSpec, num_layers: int, num_blocks: int, block_size: int, device: torch.device) -> Pool:
-        shape = (num_layers, num_blocks + 2, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_layers, num_blocks + 2, block_size, spec.num_kv_heads, spec.row_width)
         return Pool(BlockPool(num_blocks, first_block=1), torch.zeros(shape, dtype=spec.dtype, device=device),
                      torch.zeros(shape, dtype=spec.dtype, device=device))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import torch
 from tokenmill.cache.kv_cache import ContiguousKVCache, KVCache, KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, parse_size
 from tokenmill.errors import ConfigError
+from tokenmill.layers import kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,10 @@ def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max
     else:
         log.info("KV cache: %s, %.2f GiB for %d tokens (%d bytes per token)", config.kv,
                  cache.capacity_tokens * spec.bytes_per_token / 2**30, cache.capacity_tokens, spec.bytes_per_token)
+    if kv_quant.is_quantized(spec.dtype):
+        wide = dataclasses.replace(spec, dtype=torch.bfloat16)
+        log.info("KV cache in %s with a scale per token and KV head: %.2fx the tokens of a bf16 cache in the same "
+                 "memory", config.kv_cache_dtype, wide.bytes_per_token / spec.bytes_per_token)
     return cache
 
 

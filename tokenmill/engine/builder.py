@@ -82,7 +82,7 @@ def _build(config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None)
                                             tokenizer.bos_token, tokenizer.eos_token)
     tokenizer.token_bytes(0)  # its table is built here, not on the first request that asks for logprobs
     mc = loaded.config
-    kv_cache = build_kv_cache(config, kv_spec(loaded), loaded.device, loaded.max_model_len,
+    kv_cache = build_kv_cache(config, kv_spec(loaded, config.kv_cache_dtype), loaded.device, loaded.max_model_len,
                               int if tp is None else agree_min)
     if tp is not None:
         tp.wait_for("ready")

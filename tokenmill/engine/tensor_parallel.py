@@ -29,6 +29,7 @@ from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.cache.sizing import build_kv_cache
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
+from tokenmill.layers import kv_quant
 from tokenmill.layers.attention import AttentionMetadata, PagedMetadata
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.models.llama import LlamaForCausalLM
@@ -96,10 +97,14 @@ def load_shard(config: EngineConfig, rank: int) -> LoadedModel:
                       shard=Shard(rank, config.tensor_parallel_size))
 
 
-def kv_spec(loaded: LoadedModel) -> KVSpec:
-    """What one token's KV is made of, for the model as loaded (a rank's: its KV heads)."""
+def kv_spec(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> KVSpec:
+    """What one token's KV is made of, for the model as loaded (a rank's: its KV heads) and --kv-cache-dtype."""
     mc = loaded.config
-    return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, mc.sliding_layers, mc.sliding_window)
+    dtype = kv_quant.KV_CACHE_DTYPES[kv_cache_dtype] or loaded.dtype
+    if dtype != loaded.dtype and loaded.device.type != "cpu":
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} runs on CPU only so far (the GPU's attention kernels "
+                          "read a pool of the compute dtype)")
+    return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, mc.sliding_layers, mc.sliding_window)
 
 
 class ShardedModel:
@@ -285,7 +290,8 @@ def run_worker(config: EngineConfig, spec: GroupSpec, rank: int, conn: Connectio
         return
     conn.send(("loaded", None))
     try:
-        cache = build_kv_cache(config, kv_spec(loaded), device, loaded.max_model_len, agree=agree_min)
+        cache = build_kv_cache(config, kv_spec(loaded, config.kv_cache_dtype), device, loaded.max_model_len,
+                               agree=agree_min)
         assert isinstance(cache, PagedKVCache)
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

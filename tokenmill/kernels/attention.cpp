@@ -6,7 +6,8 @@
 // of its own, so that one long context keeps every thread busy (one task per KV head left one of two threads idle
 // a third of the time on SmolLM2's three KV heads), and the chunks' partial softmaxes merge after. In a task the
 // KV head's query heads read each key and value once, from the pool as it lies (bf16 widened in registers), and
-// the dot products of four keys are summed across lanes together.
+// the dot products of four keys are summed across lanes together. A quantized pool (int8 or fp8, cpu.h) is read
+// as it lies too: a key's scale multiplies its scores, a value's its weight.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -128,7 +129,7 @@ int64_t with_heads(int64_t left, F&& f) {
 // The pools the vector paths read (an fp64 one, which the op takes too, runs the plain loops).
 template <typename KV>
 constexpr bool kVectorPool = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> ||
-                             std::is_same_v<KV, at::Half>;
+                             std::is_same_v<KV, at::Half> || tokenmill::kQuantizedPool<KV>;
 
 // One task's chunk: fills max[g], total[g] and out[g] ([group, dim], the weighted values not yet divided).
 template <typename KV>
@@ -150,10 +151,22 @@ void attend_chunk(const Chunk& c, const KV* k_cache, const KV* v_cache, float* r
       for (int64_t g = 0; g < c.group; ++g) c.scores[g * c.stride + i] = dot(c.query + g * c.dim, key, c.dim);
     }
   }
+  if constexpr (tokenmill::kQuantizedPool<KV>) {  // the scores of the keys' numbers, times each key's scale
+    for (int64_t i = 0; i < c.n; ++i) {
+      const float scale = tokenmill::row_scale(k_cache + c.rows[i], c.dim);
+      for (int64_t g = 0; g < c.group; ++g) c.scores[g * c.stride + i] *= scale;
+    }
+  }
   for (int64_t g = 0; g < c.group; ++g) {
     float* weights = c.scores + g * c.stride;
     max[g] = *std::max_element(weights, weights + c.n);
     total[g] = tokenmill::exp_sum(weights, c.n, max[g]);
+  }
+  if constexpr (tokenmill::kQuantizedPool<KV>) {  // the totals taken: each weight times its value's scale
+    for (int64_t i = 0; i < c.n; ++i) {
+      const float scale = tokenmill::row_scale(v_cache + c.rows[i], c.dim);
+      for (int64_t g = 0; g < c.group; ++g) c.scores[g * c.stride + i] *= scale;
+    }
   }
 #if defined(TOKENMILL_VEC)
   if constexpr (kVectorPool<KV>) {
@@ -189,7 +202,7 @@ template <typename T, typename KV>
 void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lengths, T* out,
             int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t width,
             float scale, int64_t window) {
-  const int64_t group = heads / kv_heads;
+  const int64_t group = heads / kv_heads, stride_of_row = tokenmill::row_stride<KV>(dim);
   const auto first_of = [&](int64_t s) { return window > 0 ? std::max(lengths[s] - window, int64_t{0}) : 0; };
   // Tasks by sequence, then KV head, then chunk: task_of[s] is sequence s's first.
   std::vector<int64_t> task_of(seqs + 1, 0), chunks(seqs);
@@ -219,7 +232,7 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
       const int64_t* table = tables + s * width;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t p = lo + i;
-        rows[i] = ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+        rows[i] = ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * stride_of_row;
       }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j)
@@ -263,14 +276,18 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
   });
 }
 
-// The attention ops' queries q [rows, heads, dim] against a pool of caches [blocks, block size, kv heads, dim]:
-// their shapes, layout and dtype agree.
+// The attention ops' queries q [rows, heads, dim] against a pool of caches [blocks, block size, kv heads, dim
+// (+ 4: a quantized pool's scale)]: their shapes, layout and dtype agree.
 void check_pool(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the pool must share a dtype");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "heads and the pool disagree");
+  const at::ScalarType pool = k_cache.scalar_type();
+  const bool wider_rows = q.scalar_type() == at::kFloat && (pool == at::kBFloat16 || pool == at::kHalf);
+  TORCH_CHECK(pool == v_cache.scalar_type() && (pool == q.scalar_type() || wider_rows || pool == at::kChar ||
+                                                pool == at::kFloat8_e4m3fn),
+              "q and the pool must share a dtype, or q be fp32 and the pool bf16 or fp16, or the pool int8 or fp8");
+  TORCH_CHECK(tokenmill::pool_dim(k_cache) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "heads and the pool disagree");
 }
 
 // q: [seqs, heads, dim]; caches: [blocks, block size, kv heads, dim]; tables: [seqs, width] block ids;
@@ -291,9 +308,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     TORCH_CHECK(len[s] > 0 && len[s] <= width * block_size, "a length outside its block table");
   at::Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                     tables.data_ptr<int64_t>(), len, out.data_ptr<scalar_t>(), seqs, heads, kv_heads, dim,
-                     block_size, width, static_cast<float>(scale), window);
+    tokenmill::with_pool_type<scalar_t>(k_cache.scalar_type(), [&](auto pool_type) {
+      using KV = decltype(pool_type);
+      decode<scalar_t, KV>(q.data_ptr<scalar_t>(), static_cast<const KV*>(k_cache.data_ptr()),
+                           static_cast<const KV*>(v_cache.data_ptr()), tables.data_ptr<int64_t>(), len,
+                           out.data_ptr<scalar_t>(), seqs, heads, kv_heads, dim, block_size, width,
+                           static_cast<float>(scale), window);
+    });
   });
   return out;
 }

@@ -5,7 +5,8 @@
 // sum), so no [rows, keys] matrix, gathered copy of the keys or mask is ever built (torch's path does all three).
 // Causal, and a sliding window (Gemma 3) which skips the key tiles no row of the task sees. bf16 rows on a CPU with
 // AVX512-BF16 multiply as bf16 pairs (vdpbf16ps): the queries and keys as they are, the softmax's weights rounded to
-// bf16 for the values' products, as torch's own CPU flash attention rounds them for a bf16 model; fp32 sums.
+// bf16 for the values' products, as torch's own CPU flash attention rounds them for a bf16 model; fp32 sums. A
+// quantized pool's rows (cpu.h) are widened with their scales into the fp32 tiles.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -165,10 +166,15 @@ void by_slabs(int64_t vectors, Fn&& f) {
   }
 }
 
-// A row of the pool as fp32 into dst (dim a multiple of the vector's lanes).
+// A row of the pool as fp32 into dst (dim a multiple of the vector's lanes), times its scale where it has one.
 template <typename KV>
 void widen_row(const KV* src, float* dst, int64_t dim) {
-  for (int64_t d = 0; d < dim; d += Vec::kLanes) Vec::store(dst + d, Vec::load(src + d));
+  if constexpr (tokenmill::kQuantizedPool<KV>) {
+    const F scale = Vec::set1(tokenmill::row_scale(src, dim));
+    for (int64_t d = 0; d < dim; d += Vec::kLanes) Vec::store(dst + d, Vec::mul(Vec::load(src + d), scale));
+  } else {
+    for (int64_t d = 0; d < dim; d += Vec::kLanes) Vec::store(dst + d, Vec::load(src + d));
+  }
 }
 
 // One task: rows r0..r0+n of the chunk (positions start + r0 ...), KV head h, its group of query heads.
@@ -232,7 +238,8 @@ void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, 
     } else {
       for (int64_t j = 0; j < keys; ++j) {
         const int64_t p = k0 + j;
-        const int64_t row = ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+        const int64_t row =
+            ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * tokenmill::row_stride<KV>(dim);
         widen_row(k_cache + row, w.keys.data() + j * dim, dim);
         widen_row(v_cache + row, w.values.data() + j * dim, dim);
       }
@@ -339,9 +346,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
     if (n == 0) return out;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "paged_prefill_attention", [&] {
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        prefill<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                    v_cache.data_ptr<scalar_t>(), blocks, n, start, out.data_ptr<scalar_t>(), heads,
-                                    kv_heads, dim, block_size, static_cast<float>(scale), window);
+        tokenmill::with_pool_type<scalar_t>(k_cache.scalar_type(), [&](auto pool_type) {
+          using KV = decltype(pool_type);
+          prefill<scalar_t, KV>(q.data_ptr<scalar_t>(), static_cast<const KV*>(k_cache.data_ptr()),
+                                static_cast<const KV*>(v_cache.data_ptr()), blocks, n, start,
+                                out.data_ptr<scalar_t>(), heads, kv_heads, dim, block_size,
+                                static_cast<float>(scale), window);
+        });
       }
     });
     return out;

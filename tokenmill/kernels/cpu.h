@@ -4,10 +4,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -91,6 +93,17 @@ struct Vec {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
   }
   static F load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // e4m3's sign, exponent and mantissa moved into an fp32's places: that fp32 is the value times 2^-120, exactly
+  // (subnormals too), so one multiply makes it the value.
+  static F load(const c10::Float8_e4m3fn* p) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
+                                         _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+  }
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -143,6 +156,15 @@ struct Vec {
     for (int j = 0; j < 8; ++j) wide[j] = static_cast<float>(p[j]);
     return _mm256_load_ps(wide);
 #endif
+  }
+  static F load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F load(const c10::Float8_e4m3fn* p) {  // as the AVX-512 load does
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24),
+                                         _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
   }
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
@@ -339,7 +361,79 @@ void rms_norm_rows(float* x, const float* residual, const float* weight, float* 
 
 // The KV pool's dtypes the fused layer reads and writes (its rows are fp32 whatever the pool): KV is one of these
 // in rope_store_kv_rows and paged_decode_rows, instantiated in their files.
-#define TOKENMILL_FOR_POOL_DTYPES(_) _(float) _(at::BFloat16) _(at::Half)
+#define TOKENMILL_FOR_POOL_DTYPES(_) _(float) _(at::BFloat16) _(at::Half) _(int8_t) _(c10::Float8_e4m3fn)
+
+// A quantized pool (--kv-cache-dtype int8 or fp8_e4m3): each KV head's row of a token is its `dim` numbers and
+// then their fp32 scale (4 bytes, unaligned), a value being its number times the scale: the scale lives beside the
+// numbers it scales, so a pool is still two tensors (k and v) whose blocks the prefix cache, preemption and the
+// tensor-parallel ranks handle as they do any other, [blocks, block size, kv heads, dim + 4].
+template <typename KV>
+constexpr bool kQuantizedPool = std::is_same_v<KV, int8_t> || std::is_same_v<KV, c10::Float8_e4m3fn>;
+
+// Elements from one KV head's row of a pool to the next.
+template <typename KV>
+constexpr int64_t row_stride(int64_t dim) {
+  return kQuantizedPool<KV> ? dim + 4 : dim;
+}
+
+template <typename KV>
+inline float row_scale(const KV* row, int64_t dim) {
+  if constexpr (kQuantizedPool<KV>) {
+    float scale;
+    std::memcpy(&scale, row + dim, sizeof scale);
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+
+// x (fp32, dim values) into a pool's row: as it is, rounded to the pool's dtype, or quantized with a scale of its
+// own (per token and KV head: a block is never re-scaled as tokens join it), amax / 127 for int8 (values rounded to
+// nearest, ties to even) and amax / 448 for e4m3 (its largest finite). layers/attention.py's torch path
+// (layers/kv_quant.py) computes the same bits.
+template <typename KV>
+inline void store_row(const float* x, KV* row, int64_t dim) {
+  if constexpr (kQuantizedPool<KV>) {
+    constexpr float kMax = std::is_same_v<KV, int8_t> ? 127.f : 448.f;
+    float amax = 0.f;
+    for (int64_t j = 0; j < dim; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float scale = amax / kMax;
+    for (int64_t j = 0; j < dim; ++j) {
+      const float v = scale > 0.f ? x[j] / scale : 0.f;  // within kMax: at most an ulp past it, which rounds back
+      if constexpr (std::is_same_v<KV, int8_t>)
+        row[j] = static_cast<int8_t>(std::nearbyint(v));
+      else
+        row[j] = c10::Float8_e4m3fn(v);
+    }
+    std::memcpy(row + dim, &scale, sizeof scale);
+  } else {
+    for (int64_t j = 0; j < dim; ++j) row[j] = static_cast<KV>(x[j]);
+  }
+}
+
+// The head dim of a pool tensor [..., dim (+ 4 where quantized)].
+inline int64_t pool_dim(const at::Tensor& pool) {
+  const bool quantized = pool.scalar_type() == at::kChar || pool.scalar_type() == at::kFloat8_e4m3fn;
+  return pool.size(-1) - (quantized ? 4 : 0);
+}
+
+// f(KV{}) for the element type of a pool that rows of T read: T's own, or a quantized one (fp32 rows also read a
+// bf16 or fp16 pool: the fused layer's).
+template <typename T, typename Fn>
+void with_pool_type(at::ScalarType pool, Fn&& f) {
+  switch (pool) {
+    case at::kChar: f(int8_t{}); return;
+    case at::kFloat8_e4m3fn: f(c10::Float8_e4m3fn{}); return;
+    default: break;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (pool == at::kBFloat16) return f(at::BFloat16{});
+    if (pool == at::kHalf) return f(at::Half{});
+  }
+  TORCH_CHECK(pool == c10::CppTypeToScalarType<T>::value, "the KV pool's dtype (", pool,
+              ") is neither the rows' nor int8 nor fp8_e4m3");
+  f(T{});
+}
 
 // rope.cpp: from q|k|v rows [n, (heads + 2 kv heads) * dim], q and k rotated (cos, sin: [n, dim / 2]); q to q_out
 // [n, heads, dim], k and v to their slots of one layer's pool [slots, kv heads, dim].

@@ -42,7 +42,7 @@ void attend(const float* qkv, const float* cos, const float* sin, const int64_t*
             int64_t kv_heads, int64_t width, float scale, int64_t window) {
   KV* kc = static_cast<KV*>(k_cache.data_ptr());
   KV* vc = static_cast<KV*>(v_cache.data_ptr());
-  const int64_t block_size = k_cache.size(1), dim = k_cache.size(3);
+  const int64_t block_size = k_cache.size(1), dim = tokenmill::pool_dim(k_cache);
   tokenmill::rope_store_kv_rows<KV>(qkv, cos, sin, slots, q, kc, vc, n, heads, kv_heads, dim);
   tokenmill::paged_decode_rows<KV>(q, kc, vc, tables, lengths, out, n, heads, kv_heads, dim, block_size, width, scale,
                                    window);
@@ -80,7 +80,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   float* xs = const_cast<float*>(f32(x, n * hidden, "x"));
   const float* pend = pending.numel() ? f32(pending, n * hidden, "pending") : nullptr;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "the caches must be [blocks, block, kv, dim]");
-  const int64_t block_size = k_cache.size(1), dim = k_cache.size(3);
+  const int64_t block_size = k_cache.size(1), dim = tokenmill::pool_dim(k_cache);
   TORCH_CHECK(k_cache.size(2) == kv_heads && heads % kv_heads == 0, "heads and the pool disagree");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the caches must be contiguous, of one dtype");
@@ -160,7 +160,9 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
     case at::kFloat: run(float{}); break;
     case at::kBFloat16: run(at::BFloat16{}); break;
     case at::kHalf: run(at::Half{}); break;
-    default: TORCH_CHECK(false, "the KV pool must be fp32, bf16 or fp16, not ", k_cache.scalar_type());
+    case at::kChar: run(int8_t{}); break;
+    case at::kFloat8_e4m3fn: run(c10::Float8_e4m3fn{}); break;
+    default: TORCH_CHECK(false, "the KV pool must be fp32, bf16, fp16, int8 or fp8_e4m3, not ", k_cache.scalar_type());
   }
   const auto all_reduce = [&](float* values, int64_t exchange) {
     if (tp_slots && tp_flags)

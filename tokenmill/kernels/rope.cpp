@@ -3,7 +3,7 @@
 //   rope_store_kv: from the fused q|k|v projection, q and k rotated (rotate-half RoPE), k and v written to their
 //                  slots in the paged pool, q returned;
 //   silu_mul:      silu(gate) * up from the fused gate|up projection.
-// Arithmetic in fp32 whatever the dtype, each result rounded once.
+// Arithmetic in fp32 whatever the dtype, each result rounded once (or, into a quantized pool, quantized once).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -31,6 +31,7 @@ void rope_store(const T* qkv, const float* cos, const float* sin, const int64_t*
                 KV* v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
   at::parallel_for(0, n * (heads + kv_heads), 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(tokenmill::kQuantizedPool<KV> ? dim : 0);  // a K/V row before it is quantized
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / (heads + kv_heads), h = task % (heads + kv_heads);
       const T* row = qkv + t * width;
@@ -38,10 +39,17 @@ void rope_store(const T* qkv, const float* cos, const float* sin, const int64_t*
         rotate(row + h * dim, cos + t * half, sin + t * half, q_out + (t * heads + h) * dim, half);
         continue;
       }
-      const int64_t kv = h - heads, at = (slots[t] * kv_heads + kv) * dim;
-      rotate(row + (heads + kv) * dim, cos + t * half, sin + t * half, k_cache + at, half);
+      const int64_t kv = h - heads, at = (slots[t] * kv_heads + kv) * tokenmill::row_stride<KV>(dim);
       const T* value = row + (heads + kv_heads + kv) * dim;
-      for (int64_t j = 0; j < dim; ++j) v_cache[at + j] = static_cast<KV>(value[j]);
+      if constexpr (tokenmill::kQuantizedPool<KV>) {
+        rotate(row + (heads + kv) * dim, cos + t * half, sin + t * half, wide.data(), half);
+        tokenmill::store_row(wide.data(), k_cache + at, dim);
+        for (int64_t j = 0; j < dim; ++j) wide[j] = static_cast<float>(value[j]);
+        tokenmill::store_row(wide.data(), v_cache + at, dim);
+      } else {
+        rotate(row + (heads + kv) * dim, cos + t * half, sin + t * half, k_cache + at, half);
+        for (int64_t j = 0; j < dim; ++j) v_cache[at + j] = static_cast<KV>(value[j]);
+      }
     }
   });
 }
@@ -85,11 +93,10 @@ at::Tensor rope_store_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in, con
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(), "the caches must be one layer's contiguous [blocks, block size, kv, dim]");
-  const int64_t n = qkv.size(0), dim = k_cache.size(3);
+  const int64_t n = qkv.size(0), dim = tokenmill::pool_dim(k_cache);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim && k_cache.size(2) == kv_heads,
               "qkv must be [tokens, (heads + 2 kv heads) * dim] of the cache's dim and kv heads");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && qkv.scalar_type() == v_cache.scalar_type(),
-              "qkv and the pool must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the k and v pools must share a dtype");
   TORCH_CHECK(cos.numel() == n * dim / 2 && sin.numel() == n * dim / 2 && slots.numel() == n,
               "one angle row, one slot a token");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
@@ -97,9 +104,12 @@ at::Tensor rope_store_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in, con
   for (int64_t t = 0; t < n; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "a slot outside the pool");
   at::Tensor q = at::empty({n, heads, dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store_kv", [&] {
-    rope_store<scalar_t, scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slot,
-                         q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), n, heads,
-                         kv_heads, dim);
+    tokenmill::with_pool_type<scalar_t>(k_cache.scalar_type(), [&](auto pool_type) {
+      using KV = decltype(pool_type);
+      rope_store<scalar_t, KV>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slot,
+                               q.data_ptr<scalar_t>(), static_cast<KV*>(k_cache.data_ptr()),
+                               static_cast<KV*>(v_cache.data_ptr()), n, heads, kv_heads, dim);
+    });
   });
   return q;
 }

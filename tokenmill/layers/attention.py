@@ -3,7 +3,8 @@
 Paged: all decoding sequences attend in one call, each prefill chunk on its own, causal within the chunk, seeing
 every earlier token; on CPU through tokenmill's kernels straight from the pool (kernels/attention.cpp and
 attention_prefill.cpp), on CUDA through Triton's, else torch's SDPA over blocks gathered from the pool (a key mask
-hides the padding).
+hides the padding). A quantized pool (--kv-cache-dtype int8|fp8_e4m3, layers/kv_quant.py) is read as it lies by the
+CPU kernels and dequantized where torch's path gathers it.
 Contiguous: every sequence attends on its own over its buffer.
 """
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from tokenmill import backend
 from tokenmill.kernels import gpu
+from tokenmill.layers import kv_quant
 
 
 @dataclass
@@ -164,8 +166,8 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float, window: int) -> torch.Tensor:
     """Attention over the pool, this step's K/V already written to it (meta: the step over the layer's pool, layer:
     its index there)."""
-    k_cache, v_cache = meta.kv_of(layer)  # [blocks, block size, kv heads, dim]
-    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache, v_cache = meta.kv_of(layer)  # [blocks, block size, kv heads, dim (+ a quantized pool's scale)]
+    kv_heads, width = k_cache.shape[2], k_cache.shape[3]
     b = meta.num_decodes
     if meta.row_tables is not None:  # deterministic: one kernel for every row (checked at load: it is built)
         return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, meta.row_tables, meta.row_lengths,
@@ -186,8 +188,9 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
                                                              scale, window)
     elif b:
         # index_select, not advanced indexing: the faster gather on CPU
-        keys = k_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
-        values = v_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, dim)
+        keys = kv_quant.readable(k_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, width), q.dtype)
+        values = kv_quant.readable(v_cache.index_select(0, meta.decode_tables).view(b, -1, kv_heads, width),
+                                   q.dtype)
         mask = _key_mask(meta.decode_lengths, keys.shape[1], window)
         out[:b] = _decode_attention(q[:b], keys, values, mask, scale)
     batch = meta.prefill_batch
@@ -203,8 +206,8 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
             row += s.num_tokens
             continue
         end = s.start + s.num_tokens
-        keys = k_cache.index_select(0, table).view(-1, kv_heads, dim)[:end]
-        values = v_cache.index_select(0, table).view(-1, kv_heads, dim)[:end]
+        keys = kv_quant.readable(k_cache.index_select(0, table).view(-1, kv_heads, width)[:end], q.dtype)
+        values = kv_quant.readable(v_cache.index_select(0, table).view(-1, kv_heads, width)[:end], q.dtype)
         out[row:row + s.num_tokens] = _causal_sdpa(q[row:row + s.num_tokens], keys, values, s.start, scale, window)
         row += s.num_tokens
     return out
@@ -236,8 +239,8 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, met
     if isinstance(meta, PagedMetadata):
         meta, layer = meta.of_layer(layer)
         k_cache, v_cache = meta.kv_of(layer)
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+        kv_quant.store(k_cache, meta.slot_mapping, k)
+        kv_quant.store(v_cache, meta.slot_mapping, v)
         return _attend_paged(layer, q, meta, scale, window)
     return _contiguous(layer, q, k, v, meta, scale, window)
 
