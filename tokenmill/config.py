@@ -126,6 +126,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
                                        "block_size", "prefix_caching", "sliding_window_kv", "prepack_weights",
                                        "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
                                        "amx_from_rows", "bf16_kernels", "fused_decode_layers", "cpu_prefill_attention",
+                                       "bf16_pair_attention",
                                        "tp_shared_memory", "enforce_eager",
                                        "gpu_row_matmul", "gpu_pdl"),
 }
@@ -205,6 +206,9 @@ class EngineConfig:
     cpu_prefill_attention: bool = option(True, "on CPU, prompt chunks attend through tokenmill's flash-attention "
                                                "kernel, straight from the paged KV pool (off: torch's SDPA over "
                                                "keys gathered from it, with a mask)")
+    bf16_pair_attention: str = option("auto", "on CPU with AVX512-BF16, bf16 prompt chunks attend on bf16 pairs "
+                                              "(vdpbf16ps) or on fp32 tiles: auto measures which runs faster at "
+                                              "start", ("auto", "on", "off"))
     lora: tuple[str, ...] = option((), "a LoRA adapter served beside the model as NAME=PATH (a PEFT folder: "
                                         "adapter_config.json and adapter_model.safetensors; or a GGUF adapter as "
                                         "llama.cpp converts one); NAME is a model name in requests and /v1/models; "

@@ -15,7 +15,7 @@ from helpers import assert_no_live_blocks, counted, generate, start_engine, subm
 
 from tokenmill import kernels
 from tokenmill.cache import metadata
-from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
+from tokenmill.cache.kv_cache import AttentionPaths, KVSpec, PagedKVCache
 from tokenmill.config import WeightPlan
 from tokenmill.engine.engine import Engine
 from tokenmill.layers.attention import SequenceSlice
@@ -150,7 +150,8 @@ def _last_logits(loaded: LoadedModel, ids: list[int], chunk: int) -> torch.Tenso
     """The logits after the whole prompt, prefilled chunk tokens at a time."""
     c = loaded.config
     cache = PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype), loaded.device,
-                         num_blocks=len(ids) // 16 + 1, block_size=16, per_row_attention=loaded.deterministic)
+                         num_blocks=len(ids) // 16 + 1, block_size=16,
+                         paths=AttentionPaths(per_row=loaded.deterministic))
     assert cache.reserve(0, len(ids), len(ids))
     with torch.inference_mode():
         for start in range(0, len(ids), chunk):

@@ -60,3 +60,23 @@ def test_on_a_gpu_the_triton_kernels_compute_where_they_are_ready_and_never_a_mi
     assert caplog.messages == ["a mixture of experts on CUDA: GGUF weights dequantized at load"]
     ready["on"] = False
     assert not backend.gpu_kernels(cuda) and not backend.keeps_quantized(cuda, experts=False)
+
+
+def test_bf16_pairs_in_prefill_attention_are_chosen_by_a_measurement_unless_named(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    assert backend.bf16_pair_attention("on") and not backend.bf16_pair_attention("off")
+    monkeypatch.setattr(kernels, "built_with", lambda: ["avx2", "avx512"])
+    assert not backend.bf16_pair_attention("auto")  # nothing to measure without AVX512-BF16
+    if not kernels.load():
+        return
+    monkeypatch.undo()
+    if "avx512_bf16" not in kernels.built_with():
+        pytest.skip("no AVX512-BF16 here")
+    backend._pairs_measured_faster.cache_clear()
+    times = iter([0.0, 2.0, 0.0, 1.0] * 3)  # each call's start and end: pairs 2 s, fp32 tiles 1 s
+    monkeypatch.setattr(backend.time, "perf_counter", lambda: next(times))
+    with caplog.at_level(logging.INFO, logger="tokenmill.backend"):
+        assert not backend.bf16_pair_attention("auto")
+    assert "prefill attention in bf16: on fp32 tiles (a chunk on bf16 pairs 2000.00 ms, on fp32 tiles 1000.00 ms" \
+        in caplog.text
+    backend._pairs_measured_faster.cache_clear()

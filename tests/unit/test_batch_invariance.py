@@ -9,7 +9,7 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.cache import metadata
-from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
+from tokenmill.cache.kv_cache import AttentionPaths, KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.engine.engine import Engine
 from tokenmill.errors import ConfigError
@@ -47,7 +47,7 @@ def test_a_row_gets_the_same_bits_in_every_batch_and_place(dtype) -> None:
 
 def test_every_row_gets_its_sequence_table_and_the_keys_up_to_its_position() -> None:
     cache = PagedKVCache(KVSpec(1, 1, 4, torch.float32), torch.device("cpu"), num_blocks=8, block_size=4,
-                         per_row_attention=True)
+                         paths=AttentionPaths(per_row=True))
     assert cache.reserve(0, 7, 7) and cache.reserve(1, 3, 3)
     meta = metadata.prepare(cache, [SequenceSlice(0, 6, 1), SequenceSlice(1, 0, 3)])  # a decode, then a prompt of three
     tables = [cache.tables[0], cache.tables[1] + [0]]  # padded with the null block to the longest

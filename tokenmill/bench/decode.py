@@ -287,12 +287,14 @@ def main() -> None:
                              "oneDNN's matmuls; both: each, in its own process)")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
                         help="the KV cache's dtypes, each in its own run (auto, bf16, int8, fp8_e4m3)")
+    parser.add_argument("--bf16-pair-attention", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                        help="CPU, bf16: prompt chunks' attention on bf16 pairs or fp32 tiles, each in its own run")
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads")
-    print(f"{'dtype':<10} {'kv':<8} {'tp':<3} {'fused':<6} {'quant':<6} {'bf16k':<6} {'graphs':<7} {'row mm':<8} "
-          f"{'pdl':<4} "
+    print(f"{'dtype':<10} {'kv':<8} {'pairs':<5} {'tp':<3} {'fused':<6} {'quant':<6} {'bf16k':<6} {'graphs':<7} "
+          f"{'row mm':<8} {'pdl':<4} "
           f"{'streams':>7} "
           f"{'median tok/s':>12} "
           f"{'min':>9} {'max':>9} {'weights GB/s':>12} {'step ms':>8} {'x 1 row':>7}")
@@ -300,17 +302,19 @@ def main() -> None:
     timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads,
                     args.long)
     both = {"on": [True], "off": [False], "both": [False, True]}
-    runs = [(d, q, g, r, p, k, tp, f, kv) for d in args.dtype for q in both[args.quantized] for g in both[args.graphs]
-            for r in both[args.row_matmul] for p in both[args.pdl] for k in both[args.bf16_kernels]
-            for tp in args.tensor_parallel_size for f in both[args.fused_decode] for kv in args.kv_cache_dtype]
-    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused, kv in runs:
+    runs = [(d, q, g, r, p, k, tp, f, kv, pairs) for d in args.dtype for q in both[args.quantized]
+            for g in both[args.graphs] for r in both[args.row_matmul] for p in both[args.pdl]
+            for k in both[args.bf16_kernels]
+            for tp in args.tensor_parallel_size for f in both[args.fused_decode] for kv in args.kv_cache_dtype
+            for pairs in args.bf16_pair_attention]
+    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused, kv, pairs in runs:
         config = EngineConfig(model=args.model, dtype=dtype, device=args.device, quantized_weights=quantized,
                               max_num_seqs=max(args.streams), enforce_eager=not graphs, gpu_row_matmul=row,
                               gpu_pdl=pdl, bf16_kernels=bf16_kernels, tensor_parallel_size=tp,
-                              fused_decode_layers=fused, kv_cache_dtype=kv,
+                              fused_decode_layers=fused, kv_cache_dtype=kv, bf16_pair_attention=pairs,
                               threads=max(1, threads // tp) if tp > 1 else args.threads)
         result = _in_fresh_process(spawn, config, replace(timing, threads=None) if tp > 1 else timing)
-        mode = (f"{kv:<8} {tp:<3} {'on' if fused else 'off':<6} {'on' if result['quantized'] else 'off':<6} "
+        mode = (f"{kv:<8} {pairs:<5} {tp:<3} {'on' if fused else 'off':<6} {'on' if result['quantized'] else 'off':<6} "
                 f"{'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4}")
@@ -336,7 +340,7 @@ def main() -> None:
                   f"{statistics.median(first):.2f} s ({min(first):.2f}-{max(first):.2f}), then "
                   f"{statistics.median(per_token):.2f} ms a token ({min(per_token):.2f}-{max(per_token):.2f})")
         if "profile" in result:
-            print(f"profile, {dtype}, kv, tp, fused, quantized, bf16 kernels, graphs, row matmul and PDL "
+            print(f"profile, {dtype}, kv, pairs, tp, fused, quantized, bf16 kernels, graphs, row matmul and PDL "
                   f"{' '.join(mode.split())}:\n"
                   f"{result['profile']}")
 

@@ -93,17 +93,26 @@ class Pool:
             del self.live[block]
 
 
+@dataclass(frozen=True)
+class AttentionPaths:
+    """How the steps over a pool attend (cache/metadata.py hands it to the layers)."""
+
+    # Deterministic mode: every query row, prefill or decode, attends as a decode does.
+    per_row: bool = False
+    # Prompt chunks attend through the CPU's prefill kernel where it runs (off: torch's SDPA) ...
+    prefill_kernel: bool = True
+    # ... which multiplies a bf16 pool's keys and values as bf16 pairs (backend.bf16_pair_attention).
+    prefill_pairs: bool = False
+
+
 class PagedKVCache:
     def __init__(self, spec: KVSpec, device: torch.device, num_blocks: int, block_size: int,
-                 prefix_caching: bool = False, per_row_attention: bool = False, sliding_blocks: int = 0,
-                 prefill_kernel: bool = True) -> None:
-        """per_row_attention (deterministic mode): every query row, prefill or decode, attends as a decode does.
-        sliding_blocks: the spec's sliding layers get a pool of their own, of this many blocks, and keep only the
-        blocks their window sees (0: they keep every token, as the others do). prefill_kernel: prompt chunks may
-        attend through the CPU's prefill kernel where it runs (off: torch's SDPA)."""
+                 prefix_caching: bool = False, sliding_blocks: int = 0,
+                 paths: AttentionPaths = AttentionPaths()) -> None:
+        """sliding_blocks: the spec's sliding layers get a pool of their own, of this many blocks, and keep only the
+        blocks their window sees (0: they keep every token, as the others do)."""
         self.block_size = block_size
-        self.per_row_attention = per_row_attention
-        self.prefill_kernel = prefill_kernel
+        self.paths = paths
         sliding = spec.sliding_layers if sliding_blocks and spec.num_sliding else (False,) * spec.num_layers
         self.window = spec.window if any(sliding) else 0
         self.full = Pool.build(spec, sliding.count(False), num_blocks, block_size, device)

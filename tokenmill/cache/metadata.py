@@ -31,7 +31,7 @@ def paged(cache: PagedKVCache, slices: list[SequenceSlice]) -> PagedMetadata:
     lengths = torch.tensor([p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)],
                            dtype=torch.long, device=device)
     row_lengths = None
-    if cache.per_row_attention:  # each row: its sequence's table, and the keys up to its own position
+    if cache.paths.per_row:  # each row: its sequence's table, and the keys up to its own position
         row_lengths = torch.tensor([p + 1 for s in slices for p in range(s.start, s.start + s.num_tokens)],
                                    dtype=torch.long, device=device)
     return joined(cache, [_view(cache, pool, slices, decodes, lengths, row_lengths) for pool in cache.pools])
@@ -53,13 +53,14 @@ def _view(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice], decodes:
     # On CUDA with the GPU kernels every prefill chunk of the step attends in one launch.
     batch = _prefill_batch(cache, pool, chunks) if chunks and backend.gpu_kernels(device) else None
     # On CPU with the C++ kernels, each chunk through the prefill kernel (where the A/B switch leaves it on).
-    prefill_kernel = bool(chunks) and cache.prefill_kernel and backend.cpu_kernels(device)
+    prefill_kernel = bool(chunks) and cache.paths.prefill_kernel and backend.cpu_kernels(device)
     return PagedMetadata(
         k_layers=pool.k_layers, v_layers=pool.v_layers, slot_mapping=_slots(cache, pool, slices),
         num_decodes=len(lengths), decode_tables=_row_tables(cache, pool, decodes).flatten(), decode_lengths=lengths,
         prefills=[] if batch else [(s, torch.tensor(pool.tables[s.seq_id], device=device)) for s in chunks],
         prefill_batch=batch, row_tables=None if row_lengths is None else _row_tables(cache, pool, slices),
-        row_lengths=row_lengths, prefill_kernel=prefill_kernel)
+        row_lengths=row_lengths, prefill_kernel=prefill_kernel,
+        prefill_pairs=cache.paths.prefill_pairs)
 
 
 def _slots(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice]) -> torch.Tensor:

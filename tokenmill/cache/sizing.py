@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.cache.kv_cache import ContiguousKVCache, KVCache, KVSpec, PagedKVCache
+from tokenmill import backend
+from tokenmill.cache.kv_cache import AttentionPaths, ContiguousKVCache, KVCache, KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, parse_size
 from tokenmill.errors import ConfigError
 from tokenmill.layers import kv_quant
@@ -48,8 +49,8 @@ def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max
         num_blocks, sliding_blocks = map(agree, _paged_blocks(config, spec, budget, max_model_len))
         if num_blocks < 1:
             raise ConfigError(f"KV memory of {budget} bytes holds no block of {config.block_size} tokens")
-        cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, config.deterministic,
-                             sliding_blocks, config.cpu_prefill_attention)
+        paths = AttentionPaths(config.deterministic, config.cpu_prefill_attention, prefill_pairs(config, spec, device))
+        cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, sliding_blocks, paths)
     else:  # contiguous (EngineConfig.check() refuses other layouts, and deterministic mode with this one)
         if config.prefix_caching:
             log.info("prefix caching needs the paged layout: off with --kv contiguous")
@@ -68,6 +69,12 @@ def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max
         log.info("KV cache in %s with a scale per token and KV head: %.2fx the tokens of a bf16 cache in the same "
                  "memory", config.kv_cache_dtype, wide.bytes_per_token / spec.bytes_per_token)
     return cache
+
+
+def prefill_pairs(config: EngineConfig, spec: KVSpec, device: torch.device) -> bool:
+    """Whether a pool of spec's attends its prompt chunks on bf16 pairs (PagedKVCache's prefill_pairs)."""
+    return (spec.dtype == torch.bfloat16 and config.cpu_prefill_attention and backend.cpu_kernels(device)
+            and backend.bf16_pair_attention(config.bf16_pair_attention))
 
 
 def _paged_blocks(config: EngineConfig, spec: KVSpec, budget: int, max_model_len: int) -> tuple[int, int]:

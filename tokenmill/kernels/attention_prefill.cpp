@@ -5,7 +5,9 @@
 // sum), so no [rows, keys] matrix, gathered copy of the keys or mask is ever built (torch's path does all three).
 // Causal, and a sliding window (Gemma 3) which skips the key tiles no row of the task sees. bf16 rows on a CPU with
 // AVX512-BF16 multiply as bf16 pairs (vdpbf16ps): the queries and keys as they are, the softmax's weights rounded to
-// bf16 for the values' products, as torch's own CPU flash attention rounds them for a bf16 model; fp32 sums. A
+// bf16 for the values' products, as torch's own CPU flash attention rounds them for a bf16 model; fp32 sums. Where
+// the pairs are slower than fp32 multiply-adds (Intel's cores run vdpbf16ps on one port, FMAs on two; backend.py
+// measures it once), the caller asks for the fp32 tiles instead (pairs=false). A
 // quantized pool's rows (cpu.h) are widened with their scales into the fp32 tiles.
 
 #include <ATen/ATen.h>
@@ -178,15 +180,10 @@ void widen_row(const KV* src, float* dst, int64_t dim) {
 }
 
 // One task: rows r0..r0+n of the chunk (positions start + r0 ...), KV head h, its group of query heads.
-template <typename T, typename KV>
+template <bool kPairs, typename T, typename KV>
 void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, const int64_t* table, int64_t r0,
                   int64_t n, int64_t start, int64_t h, int64_t heads, int64_t kv_heads, int64_t dim,
                   int64_t block_size, float scale, int64_t window, T* out) {
-#if defined(TOKENMILL_DPBF16_ATTENTION)
-  constexpr bool kPairs = std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16>;
-#else
-  constexpr bool kPairs = false;
-#endif
   const int64_t group = heads / kv_heads, queries = n * group, vectors = w.lanes / Vec::kLanes;
   const float ninf = -std::numeric_limits<float>::infinity();
   if constexpr (kPairs) {
@@ -305,7 +302,8 @@ void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, 
 
 // Tasks (KV head, tile of rows), the costliest first (the last rows see the most keys), taken by the threads as
 // they free up: causal tiles differ in cost, and an even split of them in order left one thread idle.
-template <typename T, typename KV>
+// kPairs: on bf16 pairs (bf16 rows and pool, a CPU with AVX512-BF16).
+template <bool kPairs, typename T, typename KV>
 void prefill(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* table, int64_t n, int64_t start,
              T* out, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window) {
   const int64_t tiles = (n + kRows - 1) / kRows, tasks = tiles * kv_heads;
@@ -316,7 +314,7 @@ void prefill(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* ta
     for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t tile = tiles - 1 - task / kv_heads, h = task % kv_heads;
       const int64_t r0 = tile * kRows;
-      prefill_task(w, q, k_cache, v_cache, table, r0, std::min(kRows, n - r0), start, h, heads, kv_heads, dim,
+      prefill_task<kPairs>(w, q, k_cache, v_cache, table, r0, std::min(kRows, n - r0), start, h, heads, kv_heads, dim,
                    block_size, scale, window, out);
     }
   });
@@ -325,9 +323,11 @@ void prefill(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* ta
 
 // q: [n, heads, dim], a prompt chunk's rows at positions start..start+n-1, their K/V already in the pool; caches:
 // [blocks, block size, kv heads, dim]; table: the sequence's block ids. window > 0: row i sees key j where
-// 0 <= i - j < window. Each row sees its keys up to itself.
+// 0 <= i - j < window. Each row sees its keys up to itself. pairs: bf16 rows and pool multiply as bf16 pairs where
+// the CPU has AVX512-BF16 (else, and for other dtypes, fp32 tiles).
 at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& table_in, int64_t start, double scale, int64_t window) {
+                                   const at::Tensor& table_in, int64_t start, double scale, int64_t window,
+                                   bool pairs) {
   const at::Tensor q = q_in.contiguous();
   const at::Tensor table = table_in.to(at::kLong).contiguous();
   check_pool(q, k_cache, v_cache);  // attention.cpp's
@@ -348,10 +348,18 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
       if constexpr (!std::is_same_v<scalar_t, double>) {
         tokenmill::with_pool_type<scalar_t>(k_cache.scalar_type(), [&](auto pool_type) {
           using KV = decltype(pool_type);
-          prefill<scalar_t, KV>(q.data_ptr<scalar_t>(), static_cast<const KV*>(k_cache.data_ptr()),
-                                static_cast<const KV*>(v_cache.data_ptr()), blocks, n, start,
-                                out.data_ptr<scalar_t>(), heads, kv_heads, dim, block_size,
-                                static_cast<float>(scale), window);
+          const auto run = [&](auto on_pairs) {
+            prefill<decltype(on_pairs)::value>(q.data_ptr<scalar_t>(), static_cast<const KV*>(k_cache.data_ptr()),
+                                               static_cast<const KV*>(v_cache.data_ptr()), blocks, n, start,
+                                               out.data_ptr<scalar_t>(), heads, kv_heads, dim, block_size,
+                                               static_cast<float>(scale), window);
+          };
+#if defined(TOKENMILL_DPBF16_ATTENTION)
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+            if (pairs) return run(std::true_type{});
+          }
+#endif
+          run(std::false_type{});
         });
       }
     });
@@ -368,7 +376,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int start, float scale, "
-        "int window=0) -> Tensor");
+        "int window=0, bool pairs=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

@@ -64,8 +64,10 @@ class PagedMetadata:
     row_tables: torch.Tensor | None = None
     row_lengths: torch.Tensor | None = None
     prefill_batch: PrefillBatch | None = None
-    # The prefills (a table each) attend through the CPU's flash-attention kernel (kernels/attention_prefill.cpp).
+    # The prefills (a table each) attend through the CPU's flash-attention kernel (kernels/attention_prefill.cpp),
+    # a bf16 pool's on bf16 pairs where prefill_pairs (backend.bf16_pair_attention).
     prefill_kernel: bool = False
+    prefill_pairs: bool = False
     # Sliding-window layers in a pool of their own (cache/kv_cache.py): the step over that pool (its tensors, slots
     # and tables; the same rows), and each layer's pool (True: the sliding one) and index among its layers.
     sliding: PagedMetadata | None = None
@@ -202,7 +204,7 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
     for s, table in meta.prefills:
         if meta.prefill_kernel:
             out[row:row + s.num_tokens] = torch.ops.tokenmill.paged_prefill_attention(
-                q[row:row + s.num_tokens], k_cache, v_cache, table, s.start, scale, window)
+                q[row:row + s.num_tokens], k_cache, v_cache, table, s.start, scale, window, meta.prefill_pairs)
             row += s.num_tokens
             continue
         end = s.start + s.num_tokens
