@@ -23,6 +23,7 @@ PATH_TESTS = (
     "tests/unit/test_layer_kernels.py",
     "tests/unit/test_quantized.py",
     "tests/unit/test_attention.py",
+    "tests/unit/test_kv_quant.py",  # a quantized pool read by each level's vector loads
     "tests/unit/test_norm.py",
     "tests/unit/test_linear.py",
     "tests/unit/test_sampler.py",  # kernels/sample.cpp's exp_sum has a path per level
