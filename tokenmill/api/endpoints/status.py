@@ -73,7 +73,7 @@ async def server_info(request: Request) -> JSONResponse:
     info: dict[str, object] = {
         "model_path": settings.model, "served_model_name": hosted.name, "tokenizer_path": settings.model,
         "tp_size": settings.tensor_parallel_size, "dp_size": 1, "max_running_requests": settings.max_num_seqs,
-        "is_generation": True, "version": __version__}
+        "kv_cache_dtype": settings.kv_cache_dtype, "is_generation": True, "version": __version__}
     if engine is not None:
         info.update({"model_path": str(engine.model_path), "tokenizer_path": str(engine.model_path),
                      "context_length": engine.max_model_len,
