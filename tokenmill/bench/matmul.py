@@ -1,7 +1,8 @@
 """The C++ kernels' matmuls of a model alone (a GGUF's quantized matrices; a bf16 model's, in the kernels' 16-bit
 layout), at the row counts of decode, speculative verify and prefill steps, and a decode step's whole forward.
 
-    python -m tokenmill.bench.matmul [MODEL] [--rows 1 5 8 32 512] [--runs 9] [--threads 2] [--context 256]
+    python -m tokenmill.bench.matmul [MODEL] [--rows 1 5 8 32 512] [--runs 9] [--threads 2] [--context 256] \
+        [--kv-cache-dtype int8]
 
 Three measures, each a median (and the fastest) over --runs:
 
@@ -34,6 +35,7 @@ from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import EngineConfig, WeightPlan
 from tokenmill.layers.attention import SequenceSlice
+from tokenmill.layers.kv_quant import KV_CACHE_DTYPES
 from tokenmill.layers.quantized import QuantizedLinear
 from tokenmill.loader import LoadedModel, load_model
 
@@ -53,12 +55,13 @@ def _rows(count: int, features: int) -> torch.Tensor:
     return torch.randn(count, features, generator=torch.Generator().manual_seed(count)).to(torch.bfloat16)
 
 
-def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: int) -> None:
+def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: int, kv_cache_dtype: str) -> None:
     """A decode step's forward at each row count, alternated with a one-row step (the module's docstring)."""
     c, block = loaded.config, 16
     counts = [count for count in counts if count <= 64]
     rows = max(counts, default=1)
-    spec = KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype, c.sliding_layers, c.sliding_window)
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype] or loaded.dtype
+    spec = KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, dtype, c.sliding_layers, c.sliding_window)
     cache = PagedKVCache(spec, loaded.device, num_blocks=rows * (context // block + 1) + 1, block_size=block)
     for seq in range(rows):
         assert cache.reserve(seq, context + 1, context + 1)
@@ -93,6 +96,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--context", type=int, default=256, help="keys each row of a decode step sees")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="the pool's dtype in the decode steps' table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,7 +141,7 @@ def main() -> None:
             one_row = median
         ratio = f"{median / one_row:8.2f}" if one_row else ""
         print(f"{count:5d} {median * 1e3:9.3f} ({min(times) * 1e3:.3f}) {nbytes / median / 1e9:6.1f} {ratio}")
-    _forward_steps(loaded, args.rows, args.runs, args.context)
+    _forward_steps(loaded, args.rows, args.runs, args.context, args.kv_cache_dtype)
 
 if __name__ == "__main__":
     main()

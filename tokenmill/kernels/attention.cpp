@@ -159,7 +159,7 @@ void attend_chunk(const Chunk& c, const KV* k_cache, const KV* v_cache, float* r
   }
   for (int64_t g = 0; g < c.group; ++g) {
     float* weights = c.scores + g * c.stride;
-    max[g] = *std::max_element(weights, weights + c.n);
+    max[g] = tokenmill::max_of(weights, c.n);
     total[g] = tokenmill::exp_sum(weights, c.n, max[g]);
   }
   if constexpr (tokenmill::kQuantizedPool<KV>) {  // the totals taken: each weight times its value's scale
@@ -230,9 +230,10 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
       const int64_t h = (task - task_of[s]) / chunks[s], chunk = (task - task_of[s]) % chunks[s];
       const int64_t lo = first_of(s) + chunk * kChunk, n = std::min(kChunk, lengths[s] - lo);
       const int64_t* table = tables + s * width;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t p = lo + i;
-        rows[i] = ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * stride_of_row;
+      // Each key's row, block by block: no division a key (a 64-bit divide costs as much as the key's products).
+      for (int64_t i = 0, block = lo / block_size, at = lo % block_size; i < n; ++i) {
+        rows[i] = ((table[block] * block_size + at) * kv_heads + h) * stride_of_row;
+        if (++at == block_size) at = 0, ++block;
       }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j)
