@@ -247,19 +247,25 @@ void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, 
     // Scores a query may not see: keys after its row, or (a window) too far before it. Every query of the task sees
     // all of a tile that ends at or before its first row and, with a window, starts within it of its last row.
     const bool whole = k0 + keys - 1 <= first_row && (window <= 0 || last_row - k0 < window);
-    if (!whole) {
+    if (!whole) {  // by row, then its group of heads (query m = row * group + head): no division a score
       for (int64_t j = 0; j < keys; ++j)
-        for (int64_t m = 0; m < queries; ++m) {
-          const int64_t position = first_row + m / group, key = k0 + j;
-          if (key > position || (window > 0 && position - key >= window)) w.scores[j * w.lanes + m] = ninf;
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t position = first_row + r, key = k0 + j;
+          if (key > position || (window > 0 && position - key >= window))
+            std::fill_n(w.scores.data() + j * w.lanes + r * group, group, ninf);
         }
     }
     // The online softmax, lane-wise: the tile's max, the sums so far rescaled to it, the tile's weights.
     for (int64_t v = 0; v < vectors; ++v) {
       const int64_t at = v * Vec::kLanes;
-      F top = Vec::load(w.max.data() + at);
-      const F old = top;
-      for (int64_t j = 0; j < keys; ++j) top = Vec::max(top, Vec::load(w.scores.data() + j * w.lanes + at));
+      const F old = Vec::load(w.max.data() + at);
+      // Four running maxes: one was a chain of dependent maxes, a key each (the max is exact whatever the order).
+      F tops[4] = {old, old, old, old};
+      int64_t i = 0;
+      for (; i + 4 <= keys; i += 4)
+        for (int k = 0; k < 4; ++k) tops[k] = Vec::max(tops[k], Vec::load(w.scores.data() + (i + k) * w.lanes + at));
+      for (; i < keys; ++i) tops[0] = Vec::max(tops[0], Vec::load(w.scores.data() + i * w.lanes + at));
+      const F top = Vec::max(Vec::max(tops[0], tops[1]), Vec::max(tops[2], tops[3]));
       const F shrink = Vec::rescale(old, top);
       F sum = Vec::zero();
       for (int64_t j = 0; j < keys; ++j) {
