@@ -313,6 +313,19 @@ def pretend_cpu_flags(flags: str | None, tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.delenv(cpu.ISA_ENV, raising=False)
 
 
+def assert_preempted_to(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams,
+                        alone: list[list[int]], **config) -> None:
+    """The prompts at once on an engine whose KV memory (config) makes them take turns: each gets the tokens it got
+    alone, there were preemptions, and no block is left behind."""
+    engine = start_engine(loaded, **config)
+    try:
+        assert generate(engine, prompts, [params] * len(prompts)) == alone
+        assert counted(engine.metrics.preemptions) > 0
+        assert_no_live_blocks(engine)
+    finally:
+        engine.stop()
+
+
 def assert_no_live_blocks(engine: Engine) -> None:
     """No request holds a block, and every block is free or owned by the prefix cache (nothing leaked)."""
     kv = engine.kv_cache

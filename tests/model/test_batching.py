@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from helpers import assert_no_live_blocks, counted, generate, our_logits, start_engine, submit
+from helpers import assert_no_live_blocks, assert_preempted_to, generate, our_logits, start_engine, submit
 
 from tokenmill.engine import engine as engine_module
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
@@ -72,13 +72,7 @@ def test_contiguous_kv_gives_the_same_tokens(smollm, prompt_ids, alone) -> None:
 
 def test_preemption_recomputes_to_the_same_tokens(smollm, prompt_ids, alone) -> None:
     # KV memory for ~10 blocks of 16 tokens: eight sequences of up to ~70 tokens must take turns.
-    engine = start_engine(smollm, kv_cache_memory=str(10 * 16 * 46080), block_size=16)
-    try:
-        assert generate(engine, prompt_ids, [greedy() for _ in prompt_ids]) == alone
-        assert counted(engine.metrics.preemptions) > 0
-        assert_no_live_blocks(engine)
-    finally:
-        engine.stop()
+    assert_preempted_to(smollm, prompt_ids, greedy(), alone, kv_cache_memory=str(10 * 16 * 46080), block_size=16)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(smollm, prompt_ids) -> None:

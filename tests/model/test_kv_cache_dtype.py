@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_no_live_blocks, counted, generate, start_engine
+from helpers import assert_no_live_blocks, assert_preempted_to, counted, generate, start_engine
 
 from tokenmill.bench.agree import PROMPTS
 from tokenmill.bench.kv_cache import against_bf16, continuations
@@ -96,14 +96,8 @@ def test_prefix_hits_keep_the_tokens(smollm: LoadedModel, kv: str) -> None:
 def test_preemption_keeps_the_tokens(smollm: LoadedModel, prompt_ids: list[list[int]], kv: str) -> None:
     alone, _ = one_by_one(smollm, prompt_ids, kv_cache_dtype=kv, prefix_caching=False)
     # ~10 blocks of 16 tokens (a token's KV: 30 layers x 2 x 3 heads x 68 bytes): eight sequences take turns.
-    engine = start_engine(smollm, kv_cache_dtype=kv, kv_cache_memory=str(10 * 16 * 12240), block_size=16,
-                          prefix_caching=False)
-    try:
-        assert generate(engine, prompt_ids, [greedy() for _ in prompt_ids]) == alone
-        assert counted(engine.metrics.preemptions) > 0
-        assert_no_live_blocks(engine)
-    finally:
-        engine.stop()
+    assert_preempted_to(smollm, prompt_ids, greedy(), alone, kv_cache_dtype=kv, kv_cache_memory=str(10 * 16 * 12240),
+                        block_size=16, prefix_caching=False)
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
