@@ -54,6 +54,7 @@ struct Scratch {
   std::vector<float> values;  // [kKeys, dim]
   std::vector<float> scores;  // [kKeys, lanes]: scores, then weights
   std::vector<float> max, total;  // [lanes]
+  std::vector<float> shrink;      // [lanes]: how much this tile's new max shrinks the weighted values so far
   // bf16 rows on a CPU with vdpbf16ps (pairs of bf16 as one 32-bit lane, summed two products at a time):
   std::vector<uint32_t> query_pairs;  // [dim / 2, lanes]: dims 2d and 2d + 1 of each query, unscaled
   std::vector<uint32_t> key_pairs;    // [kKeys, dim / 2]: the key tile's rows as the pool holds them
@@ -62,7 +63,7 @@ struct Scratch {
 
   Scratch(int64_t queries, int64_t dim)
       : lanes((queries + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes), query(dim * lanes), out(dim * lanes),
-        keys(kKeys * dim), values(kKeys * dim), scores(kKeys * lanes), max(lanes), total(lanes),
+        keys(kKeys * dim), values(kKeys * dim), scores(kKeys * lanes), max(lanes), total(lanes), shrink(lanes),
         query_pairs(dim / 2 * lanes), key_pairs(kKeys * dim / 2), value_pairs(kKeys / 2 * dim),
         weight_pairs(kKeys / 2 * lanes) {}
 };
@@ -87,12 +88,15 @@ void score(Scratch& w, int64_t j0, int64_t v0, int64_t dim) {
     for (int v = 0; v < V; ++v) Vec::store(w.scores.data() + (j0 + k) * w.lanes + (v0 + v) * Vec::kLanes, acc[k][v]);
 }
 
-// out[dims d0..d0+kStep-1, V vectors of queries from v0] += the weights of `keys` keys times their values.
+// out[dims d0..d0+kStep-1, V vectors of queries from v0] = out x shrink + the weights of `keys` keys times their
+// values.
 template <int V>
 void add_values(Scratch& w, int64_t d0, int64_t v0, int64_t keys, int64_t dim) {
   F acc[kStep][V];
   for (int k = 0; k < kStep; ++k)
-    for (int v = 0; v < V; ++v) acc[k][v] = Vec::load(w.out.data() + (d0 + k) * w.lanes + (v0 + v) * Vec::kLanes);
+    for (int v = 0; v < V; ++v)
+      acc[k][v] = Vec::mul(Vec::load(w.out.data() + (d0 + k) * w.lanes + (v0 + v) * Vec::kLanes),
+                           Vec::load(w.shrink.data() + (v0 + v) * Vec::kLanes));
   for (int64_t j = 0; j < keys; ++j) {
     F p[V];
     for (int v = 0; v < V; ++v) p[v] = Vec::load(w.scores.data() + j * w.lanes + (v0 + v) * Vec::kLanes);
@@ -133,12 +137,15 @@ void score_pairs(Scratch& w, int64_t j0, int64_t v0, int64_t dim, float scale) {
                        _mm512_mul_ps(acc[k][v], _mm512_set1_ps(scale)));
 }
 
-// out[dims d0..d0+kStep-1, V vectors of queries from v0] += the weights of `pairs` pairs of keys times their values.
+// out[dims d0..d0+kStep-1, V vectors of queries from v0] = out x shrink + the weights of `pairs` pairs of keys times
+// their values.
 template <int V>
 void add_value_pairs(Scratch& w, int64_t d0, int64_t v0, int64_t pairs, int64_t dim) {
   __m512 acc[kStep][V];
   for (int k = 0; k < kStep; ++k)
-    for (int v = 0; v < V; ++v) acc[k][v] = Vec::load(w.out.data() + (d0 + k) * w.lanes + (v0 + v) * Vec::kLanes);
+    for (int v = 0; v < V; ++v)
+      acc[k][v] = Vec::mul(Vec::load(w.out.data() + (d0 + k) * w.lanes + (v0 + v) * Vec::kLanes),
+                           Vec::load(w.shrink.data() + (v0 + v) * Vec::kLanes));
   for (int64_t j = 0; j < pairs; ++j) {
     __m512bh p[V];
     for (int v = 0; v < V; ++v)
@@ -275,8 +282,7 @@ void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, 
       }
       Vec::store(w.max.data() + at, top);
       Vec::store(w.total.data() + at, Vec::fma(Vec::load(w.total.data() + at), shrink, sum));
-      for (int64_t d = 0; d < dim; ++d)
-        Vec::store(w.out.data() + d * w.lanes + at, Vec::mul(Vec::load(w.out.data() + d * w.lanes + at), shrink));
+      Vec::store(w.shrink.data() + at, shrink);  // the values' pass scales what it loads (a pass over out saved)
     }
     if constexpr (kPairs) {
 #if defined(TOKENMILL_DPBF16_ATTENTION)
