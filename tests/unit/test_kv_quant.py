@@ -180,3 +180,21 @@ def test_torchs_path_reads_a_quantized_pool_as_the_kernels_do(dtype: torch.dtype
     by_torch, torch_pool = step()
     assert torch.equal(pool.view(torch.uint8), torch_pool.view(torch.uint8))
     torch.testing.assert_close(by_torch, by_kernels, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_a_pool_of_a_dtype_the_rows_cannot_read_is_refused_by_every_op() -> None:
+    """bf16 rows over an fp16 pool (neither theirs nor quantized), and k and v pools of two dtypes."""
+    q, slots = torch.randn(2, 4, 64).bfloat16(), torch.tensor([16, 17])
+    pool = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
+    tables, lengths = torch.tensor([[1], [1]]), torch.tensor([3, 5])
+    said = "the KV pool's dtype .* is not one .* rows read"
+    with pytest.raises(RuntimeError, match=said):
+        torch.ops.tokenmill.paged_decode_attention(q, pool, pool, tables, lengths, 0.125, 0)
+    with pytest.raises(RuntimeError, match=said):
+        torch.ops.tokenmill.paged_prefill_attention(q, pool, pool, torch.tensor([1]), 0, 0.125, 0)
+    with pytest.raises(RuntimeError, match=said):
+        torch.ops.tokenmill.rope_store_kv(torch.randn(2, 8 * 64).bfloat16(), torch.ones(2, 32), torch.zeros(2, 32),
+                                          pool, pool.clone(), slots, 4, 2)
+    with pytest.raises(RuntimeError, match="the k and v pools must share a dtype"):
+        torch.ops.tokenmill.paged_decode_attention(q, pool.bfloat16(), pool, tables, lengths, 0.125, 0)

@@ -36,6 +36,7 @@ from tokenmill.api.engine_client import EngineClient
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.kernels import gpu
+from tokenmill.layers.kv_quant import KV_CACHE_DTYPES
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, GpuQuantizedLinear, QuantizedLinear
 from tokenmill.loader import weight_bytes
 from tokenmill.sampling import SamplingParams
@@ -285,8 +286,8 @@ def main() -> None:
     parser.add_argument("--bf16-kernels", choices=["on", "off", "both"], default="on",
                         help="CPU: dense matrices of bf16 values run tokenmill's kernels (off: --no-bf16-kernels, "
                              "oneDNN's matmuls; both: each, in its own process)")
-    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
-                        help="the KV cache's dtypes, each in its own run (auto, bf16, int8, fp8_e4m3)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
+                        help="the KV cache's dtypes, each in its own run")
     parser.add_argument("--bf16-pair-attention", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                         help="CPU, bf16: prompt chunks' attention on bf16 pairs or fp32 tiles, each in its own run")
     args = parser.parse_args()

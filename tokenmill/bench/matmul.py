@@ -32,8 +32,9 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.cache import metadata
-from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
+from tokenmill.cache.kv_cache import PagedKVCache
 from tokenmill.config import EngineConfig, WeightPlan
+from tokenmill.engine.tensor_parallel import kv_spec
 from tokenmill.layers.attention import SequenceSlice
 from tokenmill.layers.kv_quant import KV_CACHE_DTYPES
 from tokenmill.layers.quantized import QuantizedLinear
@@ -57,11 +58,10 @@ def _rows(count: int, features: int) -> torch.Tensor:
 
 def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: int, kv_cache_dtype: str) -> None:
     """A decode step's forward at each row count, alternated with a one-row step (the module's docstring)."""
-    c, block = loaded.config, 16
+    block = 16
     counts = [count for count in counts if count <= 64]
     rows = max(counts, default=1)
-    dtype = KV_CACHE_DTYPES[kv_cache_dtype] or loaded.dtype
-    spec = KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, dtype, c.sliding_layers, c.sliding_window)
+    spec = kv_spec(loaded, kv_cache_dtype)
     cache = PagedKVCache(spec, loaded.device, num_blocks=rows * (context // block + 1) + 1, block_size=block)
     for seq in range(rows):
         assert cache.reserve(seq, context + 1, context + 1)

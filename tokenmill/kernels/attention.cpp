@@ -151,23 +151,23 @@ void attend_chunk(const Chunk& c, const KV* k_cache, const KV* v_cache, float* r
       for (int64_t g = 0; g < c.group; ++g) c.scores[g * c.stride + i] = dot(c.query + g * c.dim, key, c.dim);
     }
   }
-  if constexpr (tokenmill::kQuantizedPool<KV>) {  // the scores of the keys' numbers, times each key's scale
-    for (int64_t i = 0; i < c.n; ++i) {
-      const float scale = tokenmill::row_scale(k_cache + c.rows[i], c.dim);
-      for (int64_t g = 0; g < c.group; ++g) c.scores[g * c.stride + i] *= scale;
+  // A quantized pool: the scores of the keys' numbers times each key's scale; then, the totals taken, each weight
+  // times its value's scale.
+  const auto times_scales = [&](const KV* cache) {
+    if constexpr (tokenmill::kQuantizedPool<KV>) {
+      for (int64_t i = 0; i < c.n; ++i) {
+        const float scale = tokenmill::row_scale(cache + c.rows[i], c.dim);
+        for (int64_t g = 0; g < c.group; ++g) c.scores[g * c.stride + i] *= scale;
+      }
     }
-  }
+  };
+  times_scales(k_cache);
   for (int64_t g = 0; g < c.group; ++g) {
     float* weights = c.scores + g * c.stride;
     max[g] = tokenmill::max_of(weights, c.n);
     total[g] = tokenmill::exp_sum(weights, c.n, max[g]);
   }
-  if constexpr (tokenmill::kQuantizedPool<KV>) {  // the totals taken: each weight times its value's scale
-    for (int64_t i = 0; i < c.n; ++i) {
-      const float scale = tokenmill::row_scale(v_cache + c.rows[i], c.dim);
-      for (int64_t g = 0; g < c.group; ++g) c.scores[g * c.stride + i] *= scale;
-    }
-  }
+  times_scales(v_cache);
 #if defined(TOKENMILL_VEC)
   if constexpr (kVectorPool<KV>) {
     if (scored) {
@@ -282,11 +282,8 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
 void check_pool(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
-  const at::ScalarType pool = k_cache.scalar_type();
-  const bool wider_rows = q.scalar_type() == at::kFloat && (pool == at::kBFloat16 || pool == at::kHalf);
-  TORCH_CHECK(pool == v_cache.scalar_type() && (pool == q.scalar_type() || wider_rows || pool == at::kChar ||
-                                                pool == at::kFloat8_e4m3fn),
-              "q and the pool must share a dtype, or q be fp32 and the pool bf16 or fp16, or the pool int8 or fp8");
+  // which pool dtypes q's rows read: cpu.h's with_pool_type says, as it dispatches
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the k and v pools must share a dtype");
   TORCH_CHECK(tokenmill::pool_dim(k_cache) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
               "heads and the pool disagree");
 }

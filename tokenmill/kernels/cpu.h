@@ -448,8 +448,8 @@ void with_pool_type(at::ScalarType pool, Fn&& f) {
     if (pool == at::kBFloat16) return f(at::BFloat16{});
     if (pool == at::kHalf) return f(at::Half{});
   }
-  TORCH_CHECK(pool == c10::CppTypeToScalarType<T>::value, "the KV pool's dtype (", pool,
-              ") is neither the rows' nor int8 nor fp8_e4m3");
+  TORCH_CHECK(pool == c10::CppTypeToScalarType<T>::value, "the KV pool's dtype (", pool, ") is not one ",
+              c10::CppTypeToScalarType<T>::value, " rows read: theirs, int8 or fp8_e4m3 (fp32 rows: bf16 and fp16 too)");
   f(T{});
 }
 

@@ -156,14 +156,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
     attend<decltype(pool_type)>(qkv.data(), c, s, slot, q.data(), k_cache, v_cache, table, len, attn.data(), n,
                                 heads, kv_heads, width, sc, window);
   };
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(at::BFloat16{}); break;
-    case at::kHalf: run(at::Half{}); break;
-    case at::kChar: run(int8_t{}); break;
-    case at::kFloat8_e4m3fn: run(c10::Float8_e4m3fn{}); break;
-    default: TORCH_CHECK(false, "the KV pool must be fp32, bf16, fp16, int8 or fp8_e4m3, not ", k_cache.scalar_type());
-  }
+  tokenmill::with_pool_type<float>(k_cache.scalar_type(), run);  // the rows are fp32: any pool dtype
   const auto all_reduce = [&](float* values, int64_t exchange) {
     if (tp_slots && tp_flags)
       tokenmill::all_reduce_values(values, at::kFloat, n * hidden, *tp_slots, *tp_flags, tp_rank, tp_world,

@@ -31,7 +31,7 @@ void rope_store(const T* qkv, const float* cos, const float* sin, const int64_t*
                 KV* v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
   at::parallel_for(0, n * (heads + kv_heads), 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> wide(tokenmill::kQuantizedPool<KV> ? dim : 0);  // a K/V row before it is quantized
+    std::vector<float> wide(dim);  // a K/V row in fp32, before it is rounded or quantized into the pool
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / (heads + kv_heads), h = task % (heads + kv_heads);
       const T* row = qkv + t * width;
@@ -41,15 +41,10 @@ void rope_store(const T* qkv, const float* cos, const float* sin, const int64_t*
       }
       const int64_t kv = h - heads, at = (slots[t] * kv_heads + kv) * tokenmill::row_stride<KV>(dim);
       const T* value = row + (heads + kv_heads + kv) * dim;
-      if constexpr (tokenmill::kQuantizedPool<KV>) {
-        rotate(row + (heads + kv) * dim, cos + t * half, sin + t * half, wide.data(), half);
-        tokenmill::store_row(wide.data(), k_cache + at, dim);
-        for (int64_t j = 0; j < dim; ++j) wide[j] = static_cast<float>(value[j]);
-        tokenmill::store_row(wide.data(), v_cache + at, dim);
-      } else {
-        rotate(row + (heads + kv) * dim, cos + t * half, sin + t * half, k_cache + at, half);
-        for (int64_t j = 0; j < dim; ++j) v_cache[at + j] = static_cast<KV>(value[j]);
-      }
+      rotate(row + (heads + kv) * dim, cos + t * half, sin + t * half, wide.data(), half);
+      tokenmill::store_row(wide.data(), k_cache + at, dim);
+      for (int64_t j = 0; j < dim; ++j) wide[j] = static_cast<float>(value[j]);
+      tokenmill::store_row(wide.data(), v_cache + at, dim);
     }
   });
 }
