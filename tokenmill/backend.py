@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,31 +63,55 @@ def bf16_pair_attention(choice: str = "auto") -> bool:
     measured once (AMD's Zen 4 runs the pairs 1.6x faster, Intel's Emerald Rapids 1.5x slower)."""
     if choice != "auto":
         return choice == "on"
-    if "avx512_bf16" not in kernels.built_with():
-        return False
-    return _pairs_measured_faster()
+    return "avx512_bf16" in kernels.built_with() and _pair_attention_measured_faster()
+
+
+def bf16_pair_matmul(choice: str = "auto") -> bool:
+    """Whether bf16 rows multiply bf16 weights (a bf16 model's, kept for the kernels) as bf16 pairs (vdpbf16ps) in
+    the CPU's matmul kernel, where it has them, rather than widened to fp32 multiply-adds: on/off as
+    --bf16-pair-matmul says, and for auto whichever the CPU runs faster, measured once (Intel's Emerald Rapids runs
+    the multiply-adds 1.7-1.9x faster from 4 rows)."""
+    if choice != "auto":
+        return choice == "on"
+    return "avx512_bf16" in kernels.built_with() and _pair_matmul_measured_faster()
+
+
+def _pairs_faster(what: str, flag: str, run: Callable[[bool], object]) -> bool:
+    """run(pairs) each way three times in turn: whether the pairs were the faster by their best time, logged."""
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(3):
+        for pairs in best:
+            started = time.perf_counter()
+            run(pairs)
+            best[pairs] = min(best[pairs], time.perf_counter() - started)
+    faster = best[True] < best[False]
+    log.info("%s in bf16: on %s (on bf16 pairs %.2f ms, on fp32 %.2f ms; %s on|off to choose)", what,
+             "bf16 pairs" if faster else "fp32", best[True] * 1e3, best[False] * 1e3, flag)
+    return faster
 
 
 @functools.cache
-def _pairs_measured_faster() -> bool:
-    """A SmolLM2-shaped chunk (9 query heads and 3 KV heads of 64; 256 rows after 512 cached keys), each way three
-    times in turn: the faster by its best time, logged."""
+def _pair_attention_measured_faster() -> bool:
+    """A SmolLM2-shaped chunk: 9 query heads and 3 KV heads of 64; 256 rows after 512 cached keys."""
     heads, kv_heads, dim, rows, cached = 9, 3, 64, 256, 512
     generator = torch.Generator().manual_seed(0)
     pool = torch.randn(2, (rows + cached) // 16 + 1, 16, kv_heads, dim, generator=generator).bfloat16()
     q = torch.randn(rows, heads, dim, generator=generator).bfloat16()
     table = torch.arange(1, pool.shape[1])
-    best = {True: float("inf"), False: float("inf")}
-    for _ in range(3):
-        for pairs in best:
-            started = time.perf_counter()
-            torch.ops.tokenmill.paged_prefill_attention(q, pool[0], pool[1], table, cached, 0.125, 0, pairs)
-            best[pairs] = min(best[pairs], time.perf_counter() - started)
-    faster = best[True] < best[False]
-    log.info("prefill attention in bf16: %s (a chunk on bf16 pairs %.2f ms, on fp32 tiles %.2f ms; "
-             "--bf16-pair-attention on|off to choose)", "on bf16 pairs" if faster else "on fp32 tiles",
-             best[True] * 1e3, best[False] * 1e3)
-    return faster
+    return _pairs_faster("prefill attention", "--bf16-pair-attention", lambda pairs: (
+        torch.ops.tokenmill.paged_prefill_attention(q, pool[0], pool[1], table, cached, 0.125, 0, pairs)))
+
+
+@functools.cache
+def _pair_matmul_measured_faster() -> bool:
+    """A SmolLM2-shaped matmul: 32 rows by the down projection's 1,536 x 576 bf16 weights, in the kernels' 16-bit
+    layout (layers/quantized.py's from_dense: [16-row groups, blocks of 32, 16 pairs, 16 rows, 2]; any values)."""
+    rows, width, out = 32, 1536, 576
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out // 16, width // 32, 16, 16, 2, generator=generator).bfloat16().view(torch.uint8)
+    x = torch.randn(rows, width, generator=generator).bfloat16()
+    return _pairs_faster("matmuls on bf16 weights", "--bf16-pair-matmul", lambda pairs: (
+        torch.ops.tokenmill.quantized_linear(x, weight, torch.empty(0), None, 32, 0, out, 0, False, False, pairs)))
 
 
 def keeps_quantized(device: torch.device, experts: bool) -> bool:

@@ -90,7 +90,8 @@ class WeightPlan:
     matmul (0: never); prepack: reorder dense weights for the CPU's matmul library; fused_decode: decode steps run
     each layer as one C++ op; deterministic: batch-invariant throughout; tiles_from_rows: a bf16 model's steps of
     this many rows or more run on AMX tiles where there are any (0: never, None: the default); bf16_kernels: on CPU,
-    dense matrices of bf16 values run tokenmill's kernels."""
+    dense matrices of bf16 values run tokenmill's kernels; bf16_pair_matmul: there, bf16 rows multiply them as bf16
+    pairs (on, off, or auto: measured)."""
 
     dtype: str = "auto"
     device: str = "auto"
@@ -102,6 +103,7 @@ class WeightPlan:
     deterministic: bool = False
     tiles_from_rows: int | None = 0
     bf16_kernels: bool = True
+    bf16_pair_matmul: str = "auto"
 
 
 # `--help` shows the flags in these groups, in this order; the A/B switches and kernel tuning last (each exists to
@@ -126,7 +128,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
                                        "block_size", "prefix_caching", "sliding_window_kv", "prepack_weights",
                                        "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
                                        "amx_from_rows", "bf16_kernels", "fused_decode_layers", "cpu_prefill_attention",
-                                       "bf16_pair_attention",
+                                       "bf16_pair_attention", "bf16_pair_matmul",
                                        "tp_shared_memory", "enforce_eager",
                                        "gpu_row_matmul", "gpu_pdl"),
 }
@@ -209,6 +211,10 @@ class EngineConfig:
     bf16_pair_attention: str = option("auto", "on CPU with AVX512-BF16, bf16 prompt chunks attend on bf16 pairs "
                                               "(vdpbf16ps) or on fp32 tiles: auto measures which runs faster at "
                                               "start", ("auto", "on", "off"))
+    bf16_pair_matmul: str = option("auto", "on CPU with AVX512-BF16, a bf16 model's rows multiply its bf16 weights "
+                                           "(kept for the kernels) as bf16 pairs (vdpbf16ps) or widened to fp32 "
+                                           "multiply-adds: auto measures which runs faster at start",
+                                   ("auto", "on", "off"))
     lora: tuple[str, ...] = option((), "a LoRA adapter served beside the model as NAME=PATH (a PEFT folder: "
                                         "adapter_config.json and adapter_model.safetensors; or a GGUF adapter as "
                                         "llama.cpp converts one); NAME is a model name in requests and /v1/models; "
@@ -274,7 +280,8 @@ class EngineConfig:
         return WeightPlan(dtype=self.dtype, device=self.device, quantized=self.quantized_weights, dense_budget=budget,
                           dequantize_from_rows=self.dequantize_from_rows, prepack=self.prepack_weights,
                           fused_decode=self.fused_decode_layers, deterministic=self.deterministic,
-                          tiles_from_rows=self.amx_from_rows, bf16_kernels=self.bf16_kernels)
+                          tiles_from_rows=self.amx_from_rows, bf16_kernels=self.bf16_kernels,
+                          bf16_pair_matmul=self.bf16_pair_matmul)
 
     def check(self) -> None:
         """Refuse (ConfigError) what is wrong with these settings alone, before the model loads."""

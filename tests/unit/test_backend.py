@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,21 +64,28 @@ def test_on_a_gpu_the_triton_kernels_compute_where_they_are_ready_and_never_a_mi
     assert not backend.gpu_kernels(cuda) and not backend.keeps_quantized(cuda, experts=False)
 
 
-def test_bf16_pairs_in_prefill_attention_are_chosen_by_a_measurement_unless_named(
+@pytest.mark.parametrize(("choose", "measured", "what"), [
+    (backend.bf16_pair_attention, backend._pair_attention_measured_faster, "prefill attention"),
+    (backend.bf16_pair_matmul, backend._pair_matmul_measured_faster, "matmuls on bf16 weights"),
+])
+def test_bf16_pairs_are_chosen_by_a_measurement_unless_named(
+        choose: Callable[[str], bool], measured: functools._lru_cache_wrapper, what: str,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    assert backend.bf16_pair_attention("on") and not backend.bf16_pair_attention("off")
+    assert choose("on") and not choose("off")
     monkeypatch.setattr(kernels, "built_with", lambda: ["avx2", "avx512"])
-    assert not backend.bf16_pair_attention("auto")  # nothing to measure without AVX512-BF16
+    assert not choose("auto")  # nothing to measure without AVX512-BF16
     if not kernels.load():
         return
     monkeypatch.undo()
     if "avx512_bf16" not in kernels.built_with():
         pytest.skip("no AVX512-BF16 here")
-    backend._pairs_measured_faster.cache_clear()
-    times = iter([0.0, 2.0, 0.0, 1.0] * 3)  # each call's start and end: pairs 2 s, fp32 tiles 1 s
-    monkeypatch.setattr(backend.time, "perf_counter", lambda: next(times))
-    with caplog.at_level(logging.INFO, logger="tokenmill.backend"):
-        assert not backend.bf16_pair_attention("auto")
-    assert "prefill attention in bf16: on fp32 tiles (a chunk on bf16 pairs 2000.00 ms, on fp32 tiles 1000.00 ms" \
-        in caplog.text
-    backend._pairs_measured_faster.cache_clear()
+    for pairs, fp32 in ((2.0, 1.0), (1.0, 3.0)):
+        measured.cache_clear()
+        times = iter([0.0, pairs, 0.0, fp32] * 3)  # each call's start and end
+        monkeypatch.setattr(backend.time, "perf_counter", lambda times=times: next(times))
+        with caplog.at_level(logging.INFO, logger="tokenmill.backend"):
+            assert choose("auto") == (pairs < fp32)
+        chose = "bf16 pairs" if pairs < fp32 else "fp32"
+        assert f"{what} in bf16: on {chose} (on bf16 pairs {pairs * 1e3:.2f} ms, on fp32 {fp32 * 1e3:.2f} ms" \
+            in caplog.text
+    measured.cache_clear()

@@ -258,24 +258,29 @@ def kept_bits(loaded: LoadedModel) -> dict[str, int]:
     return {name: m.weight.bits for name, m in loaded.model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
-@pytest.mark.parametrize("tiles", [0, None], ids=["kernel", "tiles"])
-def test_a_dense_bf16_model_runs_the_kernels_on_its_bf16_weights(tmp_path: Path, tiles: int | None) -> None:
+@pytest.mark.parametrize(("tiles", "pairs"), [(0, "on"), (0, "off"), (None, "auto")],
+                         ids=["kernel-pairs", "kernel-fp32", "tiles"])
+def test_a_dense_bf16_model_runs_the_kernels_on_its_bf16_weights(tmp_path: Path, tiles: int | None,
+                                                                 pairs: str) -> None:
     """A dense model of bf16 weights (a Hugging Face folder's) in bf16: every matrix, the tied output head's too,
     kept in the kernels' 16-bit layout; decode steps through the fused layer. Its hidden states and logits are
     within bf16's rounding of the fp32 model of the same weights, as close as oneDNN's bf16 matmuls op by op
     (--no-bf16-kernels) come (errors of a few percent: the tiny random model amplifies the activations'
-    rounding). tiles: on AMX, every step's matmuls on tiles read from the weights (the default there)."""
+    rounding). pairs: bf16 rows on bf16 pairs or widened to fp32 (--bf16-pair-matmul); tiles: on AMX, every step's
+    matmuls on tiles read from the weights (the default there)."""
     if tiles is None and not kernels.has_tiles():
         pytest.skip("no AMX tiles here")
     path = write_model(tmp_path / "m.gguf", QType.F32, bias=True, bf16_values_but="")
     exact = load_model(str(path), WeightPlan(dtype="float32", device="cpu", fused_decode=False, bf16_kernels=False))
-    ours = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", tiles_from_rows=tiles, dense_budget=None))
+    ours = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", tiles_from_rows=tiles, dense_budget=None,
+                                            bf16_pair_matmul=pairs))
     onednn = load_model(str(path), WeightPlan(dtype="bfloat16", device="cpu", bf16_kernels=False))
     assert set(kept_bits(ours).values()) == {16} and len(kept_bits(ours)) == 2 * 4 + 1  # 4 a layer, and the head
     assert ours.model.model.fused_decode is not None and ours.model.model.fused_decode_below is None
     kept = [m for m in ours.model.modules() if isinstance(m, QuantizedLinear)]
     assert all(m.dense is None for m in kept)  # no second copy
     assert {m.tiles_from_rows for m in kept} == {1 if tiles is None else 0}  # on AMX from one row by default
+    assert pairs == "auto" or {m.pairs for m in kept} == {pairs == "on"}
     assert not kept_bits(exact) and not kept_bits(onednn) and onednn.model.model.fused_decode is None
     runs = fused_steps(ours)
     models = (ours, onednn, exact)

@@ -379,36 +379,43 @@ def test_the_kernel_multiplies_bf16_weights_in_fp32(rows: int, out: int) -> None
 
 
 @pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("pairs", [True, False], ids=["pairs", "fp32"])
 @pytest.mark.parametrize("rows", [1, 5, 8, 19, 300])
 @pytest.mark.parametrize("out", [40, 64])
-def test_bf16_rows_on_bf16_weights_are_the_exact_products_summed_in_fp32(rows: int, out: int) -> None:
-    """A bf16 model's rows, as they are, times its bf16 weights (vdpbf16ps where the CPU has AVX512-BF16, else
-    each widened): every product exact, summed in fp32, rounded once to bf16; with 19 rows, tiles of 8 rows and a
-    partial one; 300: blocks of rows."""
+def test_bf16_rows_on_bf16_weights_are_the_exact_products_summed_in_fp32(rows: int, out: int, pairs: bool) -> None:
+    """A bf16 model's rows, as they are, times its bf16 weights (on bf16 pairs, vdpbf16ps, where the CPU has
+    AVX512-BF16 and pairs asks for them, else each widened to fp32): every product exact, summed in fp32, rounded
+    once to bf16; with 19 rows, tiles of 8 rows and a partial one; 300: blocks of rows."""
     w = bf16_matrix(out, 512, seed=rows)
     weight = QuantizedWeight.from_dense(w)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
     exact = x.double() @ w.double().T
-    got = quantized_linear(x, weight, 0)
+    args = (weight.qweight, weight.scales, None, 32, 0, out, 0, False)
+    got = torch.ops.tokenmill.quantized_linear(x, *args, False, pairs)
     assert got.shape == (rows, out) and got.dtype == torch.bfloat16
     # fp32 sums of 512 exact products, then one rounding to bf16 (2^-9 of the value)
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * exact.abs().max()).all()
-    assert torch.equal(got[:1], quantized_linear(x[:1], weight, 0))  # a row's result whatever the rows beside it
+    assert torch.equal(got[:1], torch.ops.tokenmill.quantized_linear(x[:1], *args, False, pairs))  # whatever beside
+    # widened to fp32, the fp32 rows' kernel's sums to the bit; on the pairs, sums of their own order
+    sums = torch.ops.tokenmill.quantized_linear(x, *args, True, pairs)
+    widened = torch.ops.tokenmill.quantized_linear(x.float(), *args, False, pairs)
+    assert torch.equal(sums, widened) == (not pairs or "avx512_bf16" not in kernels.built_with())
 
 
 @pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("pairs", [True, False], ids=["pairs", "fp32"])
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_fp32_rows_of_a_bf16_model_multiply_as_their_bf16_rounding(rows: int) -> None:
+def test_fp32_rows_of_a_bf16_model_multiply_as_their_bf16_rounding(rows: int, pairs: bool) -> None:
     """bf16_rows (the fused decode layer's, for a bf16 model): fp32 rows on bf16 weights give the sums of the rows
     rounded to bf16, the sums a bf16 model's rows get op by op (here: the same bits, once rounded to bf16), not the
-    fp32 rows' own products."""
+    fp32 rows' own products; on bf16 pairs or widened to fp32 alike."""
     w = bf16_matrix(48, 512, seed=rows)
     weight = QuantizedWeight.from_dense(w)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     args = (weight.qweight, weight.scales, None, 32, 0, 48, 0)
-    rounded = torch.ops.tokenmill.quantized_linear(x, *args, True)
+    rounded = torch.ops.tokenmill.quantized_linear(x, *args, True, pairs=pairs)
     assert rounded.dtype == torch.float32
-    assert torch.equal(rounded.bfloat16(), torch.ops.tokenmill.quantized_linear(x.bfloat16(), *args))
+    assert torch.equal(rounded.bfloat16(), torch.ops.tokenmill.quantized_linear(x.bfloat16(), *args, pairs=pairs))
     exact = x.double() @ w.double().T
     assert ((torch.ops.tokenmill.quantized_linear(x, *args).double() - exact).abs().max()
             < (rounded.double() - exact).abs().max())

@@ -358,9 +358,10 @@ QuantizedMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& sc
 // out[rows, w.out] = x[rows, w.in] @ dequantize(w).T: steps of tiles_from_rows rows or more (0: none) on AMX tiles
 // in bf16 where there are any (tile_matmul), the others by the integer kernel. bf16_rows (a bf16 model's rows, kept
 // in fp32 by the fused layer): bf16 weights multiply the rows rounded to bf16, as the model's own ops would, with
-// vdpbf16ps where the CPU has it (half the instructions of fp32 products).
+// vdpbf16ps where the CPU has it and pairs asks for it (half the instructions of fp32 products; slower on Intel's
+// cores, which issue it on one port: backend.py measures), else widened to fp32.
 void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out, int64_t tiles_from_rows = 0,
-                      bool bf16_rows = false);
+                      bool bf16_rows = false, bool pairs = true);
 
 // tiles.cpp: whether this build and process can run AMX tiles (the CPU has them, the kernel grants their state);
 // the matmul above on them, weights and activations rounded to bf16, fp32 sums; x and out fp32, or both bf16 (a bf16

@@ -64,7 +64,8 @@ void norm_in_place(float* rows, const float* weight, int64_t count, int64_t cols
 // multiply its rows rounded to bf16 (quantized_matmul). tp_slots, tp_flags: a tensor-parallel rank's shared
 // segment (parallel/collectives.py), through which the o and down projections' partial sums are all-reduced, as
 // exchanges tp_generation + 1 and + 2. lora_rank > 0: weights go on with each row's LoRA slot and the adapters'
-// factors (lora.cpp). Returns this layer's MLP output (normed, with an output norm).
+// factors (lora.cpp). pairs: bf16 weights multiply bf16 rows as bf16 pairs (quantized_matmul). Returns this layer's
+// MLP output (normed, with an output norm).
 at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights,
                         at::IntArrayRef layouts, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
@@ -72,7 +73,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
                         int64_t tiles_from_rows, int64_t window, bool gelu, bool bf16_rows,
                         const std::optional<at::Tensor>& tp_slots, const std::optional<at::Tensor>& tp_flags,
                         int64_t tp_rank, int64_t tp_world, int64_t tp_generation, double tp_timeout,
-                        int64_t lora_rank) {
+                        int64_t lora_rank, bool pairs) {
   TORCH_CHECK((weights.size() == 19 || (weights.size() == 31 && lora_rank > 0)) && layouts.size() == 8,
               "19 weight tensors (and with a LoRA rank, each row's slot and 11 factors), 4 subs and 4 zero points");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
@@ -141,7 +142,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
 
   const float ep = static_cast<float>(eps);
   tokenmill::rms_norm_rows(xs, pend, norm1, h.data(), n, hidden, ep);
-  tokenmill::quantized_matmul(h.data(), n, qkv_w, qkv.data(), tiles_from_rows, bf16_rows);
+  tokenmill::quantized_matmul(h.data(), n, qkv_w, qkv.data(), tiles_from_rows, bf16_rows, pairs);
   adapt(qkv.data(), h.data(), hidden, qkv_w.out, 0, 3);
   if (bias)
     for (int64_t t = 0; t < n; ++t)
@@ -162,15 +163,15 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
       tokenmill::all_reduce_values(values, at::kFloat, n * hidden, *tp_slots, *tp_flags, tp_rank, tp_world,
                                    tp_generation + exchange, tp_timeout);
   };
-  tokenmill::quantized_matmul(attn.data(), n, o_w, o.data(), tiles_from_rows, bf16_rows);
+  tokenmill::quantized_matmul(attn.data(), n, o_w, o.data(), tiles_from_rows, bf16_rows, pairs);
   adapt(o.data(), attn.data(), heads * dim, hidden, 4, 1);
   all_reduce(o.data(), 1);
   norm_in_place(o.data(), attn_out_norm, n, hidden, ep);
   tokenmill::rms_norm_rows(xs, o.data(), norm2, h.data(), n, hidden, ep);
-  tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data(), tiles_from_rows, bf16_rows);
+  tokenmill::quantized_matmul(h.data(), n, gu_w, gate_up.data(), tiles_from_rows, bf16_rows, pairs);
   adapt(gate_up.data(), h.data(), hidden, gu_w.out, 6, 2);
   tokenmill::act_mul_rows(gate_up.data(), act.data(), n, inter, gelu);
-  tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>(), tiles_from_rows, bf16_rows);
+  tokenmill::quantized_matmul(act.data(), n, down_w, out.data_ptr<float>(), tiles_from_rows, bf16_rows, pairs);
   adapt(out.data_ptr<float>(), act.data(), inter, hidden, 9, 1);
   all_reduce(out.data_ptr<float>(), 2);
   norm_in_place(out.data_ptr<float>(), mlp_out_norm, n, hidden, ep);
@@ -184,7 +185,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, "
         "int kv_heads, float eps, float scale, int tiles_from_rows=0, int window=0, bool gelu=False, "
         "bool bf16_rows=False, Tensor? tp_slots=None, Tensor? tp_flags=None, int tp_rank=0, int tp_world=1, "
-        "int tp_generation=0, float tp_timeout=10.0, int lora_rank=0) -> Tensor");
+        "int tp_generation=0, float tp_timeout=10.0, int lora_rank=0, bool pairs=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layer", &decode_layer); }

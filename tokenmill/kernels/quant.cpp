@@ -599,10 +599,11 @@ void integer_matmul_to(const TX* x, int64_t rows, const QuantizedMatrix& w, at::
 // w = scale * (q - zero) + shift per `sub` weights, in the interleaved layout above; out_features: the matrix's rows;
 // bf16_rows: fp32 rows on bf16 weights multiply as their bf16 rounding (tokenmill::quantized_matmul); float_out:
 // the fp32 sums whatever x's dtype (the output head: its logits are sampled in fp32, and a rounding to bf16 and back
-// was two passes over rows x vocabulary floats).
+// was two passes over rows x vocabulary floats); pairs: bf16 rows on bf16 weights multiply as bf16 pairs
+// (vdpbf16ps) where the CPU has them, else widened to fp32 (backend.py measures which is faster).
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& shift, int64_t sub, int64_t zero, int64_t out_features,
-                            int64_t tiles_from_rows, bool bf16_rows, bool float_out) {
+                            int64_t tiles_from_rows, bool bf16_rows, bool float_out, bool pairs) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   const at::ScalarType out_type = float_out ? at::kFloat : x.scalar_type();
   const QuantizedMatrix w = tokenmill::quantized_matrix(qweight, scales, shift, sub, zero, out_features);
@@ -615,7 +616,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     return out.to(out_type);
   }
 #if defined(TOKENMILL_DPBF16)
-  if (x.scalar_type() == at::kBFloat16 && w.bits == 16) {  // bf16 rows on bf16 weights: vdpbf16ps, as they are
+  if (pairs && x.scalar_type() == at::kBFloat16 && w.bits == 16) {  // bf16 rows on bf16 weights: vdpbf16ps
     const at::Tensor xb = x.contiguous();
     const std::vector<uint32_t> paired = paired_rows(xb.data_ptr<at::BFloat16>(), x.size(0), w.in);
     at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
@@ -635,7 +636,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
-  tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>(), tiles_from_rows, bf16_rows);
+  tokenmill::quantized_matmul(xf.data_ptr<float>(), x.size(0), w, out.data_ptr<float>(), tiles_from_rows, bf16_rows,
+                              pairs);
   return out.to(out_type);
 }
 
@@ -743,13 +745,13 @@ QuantizedMatrix tokenmill::quantized_matrix(const at::Tensor& qweight, const at:
 }
 
 void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out,
-                                 int64_t tiles_from_rows, bool bf16_rows) {
+                                 int64_t tiles_from_rows, bool bf16_rows, bool pairs) {
   if (takes_tiles(rows, tiles_from_rows)) {
     tile_matmul(x, rows, w, out);
     return;
   }
 #if defined(TOKENMILL_DPBF16)
-  if (bf16_rows && w.bits == 16) {
+  if (bf16_rows && pairs && w.bits == 16) {
     bf16_dot_matmul(paired_rows(x, rows, w.in).data(), rows, w, out);
     return;
   }
@@ -757,7 +759,7 @@ void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMa
   if (bf16_rows && w.bits == 16) {  // the rows as a bf16 model's ops would have them, multiplied in fp32
     std::vector<float> rounded(x, x + rows * w.in);
     for (float& v : rounded) v = static_cast<float>(at::BFloat16(v));
-    quantized_matmul(rounded.data(), rows, w, out, tiles_from_rows, false);
+    quantized_matmul(rounded.data(), rows, w, out, tiles_from_rows, false, pairs);
     return;
   }
   if (w.bits == 16) {
@@ -793,7 +795,8 @@ std::vector<std::string> built_with() {
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, "
-        "int out_features, int tiles_from_rows=0, bool bf16_rows=False, bool float_out=False) -> Tensor");
+        "int out_features, int tiles_from_rows=0, bool bf16_rows=False, bool float_out=False, bool pairs=True) "
+        "-> Tensor");
   m.def("tiles_available() -> bool", &tokenmill::tiles_available);
   m.def("built_with() -> str[]", &built_with);
   m.def("dequantize(Tensor qweight, Tensor scales, Tensor? shift, int sub, int zero, int out_features, "

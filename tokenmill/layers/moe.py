@@ -34,13 +34,14 @@ class QuantizedStacked(nn.Module):
     def __init__(self, weight: QuantizedWeight, items: int) -> None:
         super().__init__()
         self.weight, self.rows = weight, weight.out_features // items
+        self.pairs = True  # as QuantizedLinear's
         assert self.rows % INTERLEAVE == 0 and self.rows * items == weight.out_features
 
     def forward(self, item: int, x: torch.Tensor) -> torch.Tensor:
         w, groups = self.weight, slice(item * self.rows // INTERLEAVE, (item + 1) * self.rows // INTERLEAVE)
         return torch.ops.tokenmill.quantized_linear(x, w.qweight[groups], w.scales[groups],
                                                     None if w.mins is None else w.mins[groups], w.sub, w.zero,
-                                                    self.rows)
+                                                    self.rows, pairs=self.pairs)
 
 
 class Experts(nn.Module):

@@ -194,6 +194,9 @@ class QuantizedLinear(nn.Module):
         # Steps of this many rows or more run on AMX tiles in bf16 (kernels/tiles.cpp; 0: never): models/registry.py
         # sets it for a bf16 model on a CPU with AMX.
         self.tiles_from_rows = 0
+        # bf16 rows multiply bf16 weights as bf16 pairs (vdpbf16ps) where the CPU has them, else widened to fp32:
+        # models/registry.py sets it from backend.bf16_pair_matmul.
+        self.pairs = True
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight dequantized in one C++ pass (the same values as QuantizedWeight.dequantize)."""
@@ -208,7 +211,7 @@ class QuantizedLinear(nn.Module):
         if self.dequantize_from_rows and x.shape[0] >= self.dequantize_from_rows:
             return F.linear(x, self.dense_weight(x.dtype), self.bias)
         out = torch.ops.tokenmill.quantized_linear(x, w.qweight, w.scales, w.mins, w.sub, w.zero, w.out_features,
-                                                   self.tiles_from_rows, False, float_out)
+                                                   self.tiles_from_rows, False, float_out, self.pairs)
         return out if self.bias is None else out + self.bias
 
 

@@ -261,7 +261,8 @@ class LlamaModel(nn.Module):
         pools = [meta] if meta.sliding is None else [meta, meta.sliding]  # the steps over each KV pool
         tables = [pool.decode_tables.view(meta.num_decodes, -1) for pool in pools]
         # registry.py sets every layer's alike
-        tiles_from_rows = cast(QuantizedLinear, base_of(first.self_attn.qkv_proj)).tiles_from_rows
+        qkv = cast(QuantizedLinear, base_of(first.self_attn.qkv_proj))
+        tiles_from_rows, pairs = qkv.tiles_from_rows, qkv.pairs
         pending = torch.empty(0)
         layers = zip(cast(list[DecoderLayer], self.layers), cast(list, self.fused_decode), ropes, strict=True)
         for i, (layer, (weights, layouts), (cos, sin)) in enumerate(layers):
@@ -277,7 +278,7 @@ class LlamaModel(nn.Module):
             pending = torch.ops.tokenmill.decode_layer(
                 x, pending, weights, layouts, cos, sin, *pool.kv_of(index), pool.slot_mapping,
                 tables[pool is not meta], meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale,
-                tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu, bf16_rows, *tp, **lora)
+                tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu, bf16_rows, *tp, **lora, pairs=pairs)
         return pending
 
 

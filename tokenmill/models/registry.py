@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from tokenmill import backend, cpu
 from tokenmill.config import WeightPlan
@@ -14,6 +15,7 @@ from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.kernels import gpu
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.linear import can_prepack, linear_of
+from tokenmill.layers.moe import QuantizedStacked
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, GpuQuantizedLinear, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
@@ -86,6 +88,7 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
         kept = model.keep_bf16_for_kernels(exact_only=dtype != torch.bfloat16)
         if kept:
             log.info("%d dense matrices kept in bf16 for tokenmill's kernels (--no-bf16-kernels: oneDNN's)", kept)
+    _choose_pairs(model, dtype, plan.bf16_pair_matmul)
     if deterministic:  # the quantized kernel computes each row on its own; a dense copy's library would not
         log.info("deterministic: every step runs the quantized kernels (no dense copies); dense matmuls on fixed "
                  "row tiles; one attention kernel for prefill and decode")
@@ -145,6 +148,15 @@ def _use_tiles(quantized: list[QuantizedLinear], dtype: torch.dtype, device: tor
         module.tiles_from_rows = rows
     log.info("steps of %d rows or more run the %s matrices on AMX tiles (bf16)", rows, "bf16" if bf16 else "kept")
     return True
+
+
+def _choose_pairs(model: nn.Module, dtype: torch.dtype, choice: str) -> None:
+    """Whether a bf16 model's rows multiply its bf16 weights kept for the kernels as bf16 pairs (asked of the
+    backend only where there are such rows and weights)."""
+    held = [m for m in model.modules() if isinstance(m, QuantizedLinear | QuantizedStacked) and m.weight.bits == 16]
+    if held and dtype == torch.bfloat16 and not backend.bf16_pair_matmul(choice):
+        for module in held:
+            module.pairs = False
 
 
 def _add_dense_copies(quantized: list[QuantizedLinear], dtype: torch.dtype, budget: int | None,
