@@ -2,7 +2,7 @@
 layout), at the row counts of decode, speculative verify and prefill steps, and a decode step's whole forward.
 
     python -m tokenmill.bench.matmul [MODEL] [--rows 1 5 8 32 512] [--runs 9] [--threads 2] [--context 256] \
-        [--kv-cache-dtype int8]
+        [--kv-cache-dtype int8] [--bf16-pair-matmul on|off]
 
 Three measures, each a median (and the fastest) over --runs:
 
@@ -98,10 +98,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="keys each row of a decode step sees")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="the pool's dtype in the decode steps' table")
+    parser.add_argument("--bf16-pair-matmul", default="auto", choices=["auto", "on", "off"],
+                        help="a bf16 model's bf16 weights multiply its rows as bf16 pairs or widened to fp32")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, WeightPlan(dtype="bfloat16", device="cpu"))
+    loaded = load_model(args.model, WeightPlan(dtype="bfloat16", device="cpu", bf16_pair_matmul=args.bf16_pair_matmul))
     net = loaded.model
     assert isinstance(net, torch.nn.Module)
     linears = {name: m for name, m in net.named_modules() if isinstance(m, QuantizedLinear)}
