@@ -60,6 +60,7 @@ bench() {  # LIMIT_S MODEL OUTPUT [FLAGS...]
 }
 bench 200 $small bench-135m-q4_1.txt --quantized both --pdl both --profile
 bench 120 $large bench-1b-q4_1.txt --quantized both
+bench 90 $small bench-135m-kv.txt --kv-cache-dtype int8 fp8_e4m3 --streams 1 32  # a quantized KV pool's kernels
 if [ -f .gpu/llama-batched-bench.xz ]; then
   stage "llama.cpp"
   llama=/tmp/llama-batched-bench

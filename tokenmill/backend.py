@@ -114,6 +114,12 @@ def _pair_matmul_measured_faster() -> bool:
         torch.ops.tokenmill.quantized_linear(x, weight, torch.empty(0), None, 32, 0, out, 0, False, False, pairs)))
 
 
+def fp8_kv_runs(device: torch.device) -> bool:
+    """An fp8 (e4m3) KV pool runs here: on the CPU, the torch path, or GPU kernels on sm_89 or newer (Triton converts
+    e4m3 there only)."""
+    return device.type != "cuda" or not gpu_kernels(device) or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def keeps_quantized(device: torch.device, experts: bool) -> bool:
     """Whether device's kernels run a GGUF's quantized matrices: the CPU's C++ ones with their vector loops, or the
     GPU's Triton ones (not a mixture of experts', whose experts run on the host: layers/moe.py)."""

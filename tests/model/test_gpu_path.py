@@ -47,12 +47,13 @@ def load(path: Path) -> LoadedModel:
                                             prepack=False))
 
 
-def run(loaded: LoadedModel, graphs: bool = False, row_matmul: bool = True, pdl: bool = True) -> list[list[int]]:
+def run(loaded: LoadedModel, graphs: bool = False, row_matmul: bool = True, pdl: bool = True,
+        kv: str = "auto") -> list[list[int]]:
     """PROMPTS' tokens: 16-token steps, so prompts are chunked and share steps with decodes; the last two prompts
     arrive after the first two finished, so they start from the cached prefix; each pair's longer answer ends in
-    steps of its one row."""
+    steps of its one row. kv: --kv-cache-dtype."""
     engine = start_engine(loaded, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=0,
-                          gpu_row_matmul=row_matmul, gpu_pdl=pdl)
+                          gpu_row_matmul=row_matmul, gpu_pdl=pdl, kv_cache_dtype=kv)
     if graphs:  # the static-buffer step CUDA graphs replay, run eagerly
         engine.runner.graphs = DecodeGraphs(loaded.model, engine.kv_cache, 4, engine.max_model_len, capture=False)
     try:
@@ -114,6 +115,18 @@ def test_llama_steps_and_the_decode_graphs_static_step_through_the_gpu_kernels(l
     assert run(llama, graphs=True, row_matmul=row_matmul, pdl=pdl) == llama_tokens
     assert set(on_triton) == EVERY_KERNEL | {"combine_splits"} | ({"row_matmul"} if row_matmul else set())
     assert len(launches) == len(on_triton) and set(launches) == {pdl}
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_a_quantized_kv_cache_through_the_gpu_kernels_keeps_the_cpu_kernels_tokens(llama, monkeypatch,
+                                                                                  kv: str) -> None:
+    """--kv-cache-dtype int8 / fp8_e4m3: rope_store_kv writes the rows the CPU's kernels write (each as
+    layers/kv_quant.py does), the attention kernels read them, decodes and prompt chunks, after prefix hits: the
+    CPU kernels' tokens under the same KV dtype."""
+    expected = run(llama, kv=kv)
+    launched = count_gpu_kernels(monkeypatch)
+    assert run(llama, kv=kv) == expected
+    assert {"decode_attention", "prefill_attention", "rope_store_kv"} <= set(launched)
 
 
 def test_gemma3_sliding_windows_through_the_gpu_kernels(gemma, monkeypatch) -> None:

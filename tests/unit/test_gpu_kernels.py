@@ -23,6 +23,7 @@ from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache  # noqa: E402
 from tokenmill.config import WeightPlan
 from tokenmill.kernels import gpu  # noqa: E402
+from tokenmill.layers import kv_quant  # noqa: E402
 from tokenmill.layers.attention import SequenceSlice, _attend_paged, _causal_sdpa  # noqa: E402
 from tokenmill.layers.linear import linear_of, row_matmul_takes  # noqa: E402
 from tokenmill.layers.quantized import GpuQuantizedLinear, QuantizedWeight  # noqa: E402
@@ -335,6 +336,88 @@ def test_rope_store_kv_rotates_queries_and_keys_and_writes_the_pool_at_the_slots
     assert torch.equal(values[slots], v_part.reshape(tokens, kv_heads, dim))
     written = keys.abs().sum((1, 2)).nonzero().flatten()
     assert written.tolist() == sorted(slots.tolist())  # nothing beside the slots
+
+
+KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv_writes_a_quantized_pool_as_kv_quant_does(kv: torch.dtype, dtype: torch.dtype,
+                                                                device: str) -> None:
+    """A quantized pool's rows (--kv-cache-dtype int8, fp8_e4m3): the rotated key (as a pool of the compute dtype
+    gets it) and the value, as layers/kv_quant.py's quantize writes them, bit for bit (numbers and scale); the
+    queries as with that pool; nothing beside the slots."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, tokens = 9, 3, 64, 5
+    cos, sin = RotaryEmbedding(dim, 10000.0, 128)(torch.tensor([3, 17, 50, 51, 99]))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    qkv[1, -dim:] = 0  # a row of zeros: scale 0, numbers 0
+    pools = [torch.zeros(8, 16, kv_heads, kv_quant.row_width(kv, dim), dtype=kv, device=device) for _ in "kv"]
+    slots = torch.tensor([16, 17, 40, 41, 127])
+    q = gpu.rope_store_kv(qkv.to(device), cos.to(device), sin.to(device), *pools, slots.to(device), heads, kv_heads,
+                          kv_quant.largest(kv))
+    v_part = qkv[:, -kv_heads * dim:].reshape(tokens, kv_heads, dim)
+    plain = [torch.zeros(8, 16, kv_heads, dim, dtype=dtype, device=device) for _ in "kv"]
+    expected_q = gpu.rope_store_kv(qkv.to(device), cos.to(device), sin.to(device), *plain, slots.to(device), heads,
+                                   kv_heads)
+    assert torch.equal(q.cpu(), expected_q.cpu())
+    keys = plain[0].cpu().view(-1, kv_heads, dim)[slots]  # rotated as a pool of the compute dtype has them
+    for pool, rows in zip(pools, (keys, v_part), strict=True):
+        written = pool.cpu().view(torch.uint8).view(-1, kv_heads, dim + 4)
+        assert torch.equal(written[slots], kv_quant.quantize(rows, kv).view(torch.uint8))
+        assert written.sum((1, 2)).nonzero().flatten().tolist() == sorted(slots.tolist())
+
+
+def quantized_pools(kv: torch.dtype, blocks: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random keys and values stored in a quantized pool of kv, [blocks, 16, kv heads, dim + 4]."""
+    return tuple(kv_quant.quantize(torch.randn(blocks, 16, kv_heads, dim), kv) for _ in "kv")  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("width", "window"), [(20, 0), (20, 50)])  # 320 keys: two splits
+def test_paged_decode_attention_reads_a_quantized_pool(kv: torch.dtype, dtype: torch.dtype, width: int, window: int,
+                                                       device: str) -> None:
+    """Each key and value its numbers times its row's scale: the softmax over the pool as layers/kv_quant.py reads
+    it, within the compute dtype's rounding (the kernel rounds them to it before its products)."""
+    torch.manual_seed(1)
+    b, heads, kv_heads, dim = 3, 9, 3, 64
+    blocks = b * width + 1
+    k_cache, v_cache = quantized_pools(kv, blocks, kv_heads, dim)
+    tables = torch.randperm(blocks - 1)[:b * width].view(b, width) + 1
+    lengths = torch.tensor([width * 16, 1, width * 8 + 7])
+    q = torch.randn(b, heads, dim).to(dtype)
+    out = gpu.paged_decode_attention(*(t.to(device) for t in (q, k_cache, v_cache, tables, lengths)), dim**-0.5,
+                                     window)
+    expected = reference_decode(q, kv_quant.dequantize(k_cache, torch.float32),
+                                kv_quant.dequantize(v_cache, torch.float32), tables, lengths, dim**-0.5, window)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.cpu().float(), expected, atol=tolerance(dtype), rtol=0)
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("window", [0, 20])
+def test_paged_prefill_attention_reads_a_quantized_pool(kv: torch.dtype, window: int, device: str) -> None:
+    """A chunk after a cached prefix of 37 tokens and one from position 0, over a quantized pool: causal attention
+    over its values as layers/kv_quant.py reads them."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim, width = 6, 2, 32, 6
+    chunks = [(37, 20), (0, 40)]
+    k_cache, v_cache = quantized_pools(kv, len(chunks) * width + 1, kv_heads, dim)
+    tables = torch.randperm(len(chunks) * width)[:len(chunks) * width].view(len(chunks), width) + 1
+    q = torch.randn(60, heads, dim)
+    rows = [0, 20, 60]
+    block_seq, block_row = gpu.prefill_blocks([n for _, n in chunks])
+    meta = [torch.tensor(v) for v in ([start for start, _ in chunks], rows, block_seq, block_row)]
+    out = gpu.paged_prefill_attention(q.to(device), k_cache.to(device), v_cache.to(device), tables.to(device),
+                                      *(t.to(device) for t in meta), dim**-0.5, window)
+    keys_all, values_all = (kv_quant.dequantize(c, torch.float32) for c in (k_cache, v_cache))
+    for i, (start, n) in enumerate(chunks):
+        keys = keys_all[tables[i]].reshape(-1, kv_heads, dim)[:start + n]
+        values = values_all[tables[i]].reshape(-1, kv_heads, dim)[:start + n]
+        expected = _causal_sdpa(q[rows[i]:rows[i + 1]], keys, values, start, dim**-0.5, window)
+        torch.testing.assert_close(out[rows[i]:rows[i + 1]].cpu(), expected, atol=1e-5, rtol=0)
 
 
 def test_the_prefill_batch_of_a_step_drives_the_kernel_to_the_per_chunk_result(device: str) -> None:

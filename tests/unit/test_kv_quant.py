@@ -57,11 +57,21 @@ def test_a_token_takes_about_half_a_bf16_tokens_bytes(dtype: torch.dtype) -> Non
     assert bf16.bytes_per_token / quantized.bytes_per_token == pytest.approx(1.88, abs=0.01)
 
 
-def test_a_quantized_cache_on_a_gpu_is_refused_with_the_reason() -> None:
+def test_an_fp8_cache_on_a_gpu_without_e4m3_conversions_is_refused_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     config = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=64, sliding_layers=(), sliding_window=0)
     on_gpu = SimpleNamespace(config=config, dtype=torch.bfloat16, device=torch.device("cuda"))
-    with pytest.raises(ConfigError, match="--kv-cache-dtype int8 runs on CPU only"):
-        kv_spec(on_gpu, "int8")  # type: ignore[arg-type]
+    monkeypatch.setattr(backend, "gpu_kernels", lambda device: True)
+    for capability, fp8 in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert kv_spec(on_gpu, "int8").dtype == torch.int8  # type: ignore[arg-type]
+        if fp8:
+            assert kv_spec(on_gpu, "fp8_e4m3").dtype == torch.float8_e4m3fn  # type: ignore[arg-type]
+        else:
+            with pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e4m3 on this GPU: .* sm_89 or newer"):
+                kv_spec(on_gpu, "fp8_e4m3")  # type: ignore[arg-type]
+    monkeypatch.setattr(backend, "gpu_kernels", lambda device: False)  # the torch path converts e4m3 anywhere
+    assert kv_spec(on_gpu, "fp8").dtype == torch.float8_e4m3fn  # type: ignore[arg-type]
     assert kv_spec(on_gpu, "auto").dtype == torch.bfloat16  # type: ignore[arg-type]
 
 

@@ -101,9 +101,9 @@ def kv_spec(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> KVSpec:
     """What one token's KV is made of, for the model as loaded (a rank's: its KV heads) and --kv-cache-dtype."""
     mc = loaded.config
     dtype = kv_quant.KV_CACHE_DTYPES[kv_cache_dtype] or loaded.dtype
-    if dtype != loaded.dtype and loaded.device.type != "cpu":
-        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} runs on CPU only so far (the GPU's attention kernels "
-                          "read a pool of the compute dtype)")
+    if dtype == torch.float8_e4m3fn and not backend.fp8_kv_runs(loaded.device):
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} on this GPU: its kernels convert e4m3 on sm_89 or newer "
+                          "(Ada, Hopper and later); int8 runs on any")
     return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, mc.sliding_layers, mc.sliding_window)
 
 

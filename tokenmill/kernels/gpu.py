@@ -218,6 +218,16 @@ def _ieee(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or _INTERPRETING
 
 
+def _quantized(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A KV pool as the attention kernels read it (triton_kernels.load_kv): its numbers (an e4m3 pool's as bytes),
+    the pool read as fp32 (a quantized pool's rows' scales, layers/kv_quant.py), and its kind: 0 the compute
+    dtype's values, 1 int8, 2 e4m3."""
+    if pool.element_size() != 1:
+        return pool, pool, 0
+    e4m3 = pool.dtype == torch.float8_e4m3fn
+    return (pool.view(torch.uint8) if e4m3 else pool), pool.view(torch.float32), 2 if e4m3 else 1
+
+
 def decode_splits(batch: int, kv_heads: int, max_keys: int) -> int:
     """Split the keys where the batch's programs alone leave the GPU's multiprocessors idle: a fixed count for a
     given shape (a CUDA graph replays it), splits past a sequence's length exit at once."""
@@ -228,8 +238,9 @@ def decode_splits(batch: int, kv_heads: int, max_keys: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """q: [b, heads, dim], one query per row; k/v_cache: [blocks, block size, kv heads, dim]; tables: [b, width]
-    block ids; lengths: [b] keys each row sees (>= 1). window > 0: only the last `window` keys."""
+    """q: [b, heads, dim], one query per row; k/v_cache: [blocks, block size, kv heads, dim] (a quantized pool's:
+    dim + 4, layers/kv_quant.py); tables: [b, width] block ids; lengths: [b] keys each row sees (>= 1). window > 0:
+    only the last `window` keys."""
     b, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -242,12 +253,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part = torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
     q = q.contiguous()
+    (k_numbers, k_scales, quantized), (v_numbers, v_scales, _) = _quantized(k_cache), _quantized(v_cache)
     _kernels().decode_attention[(b, kv_heads, splits)](
-        q, k_cache, v_cache, tables, lengths, part, lse, scale, window, keys_per_split, splits,
+        q, k_numbers, v_numbers, k_scales, v_scales, tables, lengths, part, lse, scale, window, keys_per_split, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2),
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, IEEE=_ieee(q.dtype), **_pdl_options(q.device))
+        BLOCK_N=block_n, IEEE=_ieee(q.dtype), QUANT=quantized, **_pdl_options(q.device))
     if splits > 1:
         _kernels().combine_splits[(b, heads)](
             part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
@@ -278,11 +290,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     heads, dim = q.shape[1], q.shape[2]
     q = q.contiguous()
     out = torch.empty_like(q)
+    (k_numbers, k_scales, quantized), (v_numbers, v_scales, _) = _quantized(k_cache), _quantized(v_cache)
     _kernels().prefill_attention[(block_seq.shape[0], heads)](
-        q, k_cache, v_cache, out, tables, starts, rows, block_seq, block_row, scale, window, q.stride(0),
-        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        q, k_numbers, v_numbers, k_scales, v_scales, out, tables, starts, rows, block_seq, block_row, scale, window,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         GROUP=heads // k_cache.shape[2], DIM=dim, DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=_key_tile(dim, q.dtype), IEEE=_ieee(q.dtype),
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=_key_tile(dim, q.dtype), IEEE=_ieee(q.dtype), QUANT=quantized,
         num_warps=8 if dim > 128 else 4,  # a wide head's accumulator: 4 warps spilled registers in fp32
         **_pdl_options(q.device))
     return out
@@ -309,16 +322,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+                  v_cache: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int,
+                  largest: float = 0.0) -> torch.Tensor:
     """From q|k|v [tokens, (heads + 2 kv heads) * dim]: the rotated queries [tokens, heads, dim]; rotated keys and
     the values written into the pool [blocks, block size, kv heads, dim] at slots (flat block * size + offset).
-    cos, sin: [tokens, 1, dim / 2] fp32, as RotaryEmbedding gives them."""
+    cos, sin: [tokens, 1, dim / 2] fp32, as RotaryEmbedding gives them. largest > 0: a quantized pool's (dim + 4
+    wide), each row's numbers over its scale, amax / largest (layers/kv_quant.py)."""
     tokens = qkv.shape[0]
-    dim = k_cache.shape[-1]
+    dim = qkv.shape[1] // (heads + 2 * kv_heads)
     q = torch.empty(tokens, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    k_scales, v_scales = _quantized(k_cache)[1], _quantized(v_cache)[1]
     _kernels().rope_store_kv[(tokens, heads + kv_heads)](
-        qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(1),
-        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_PAD=_pow2(dim // 2), **_pdl_options(qkv.device))
+        qkv, cos, sin, q, k_cache, v_cache, k_scales, v_scales, slots, qkv.stride(0), cos.stride(0), q.stride(0),
+        k_cache.stride(1), k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_PAD=_pow2(dim // 2),
+        LARGEST=largest, **_pdl_options(qkv.device))
     return q
 
 

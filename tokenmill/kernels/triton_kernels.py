@@ -36,15 +36,32 @@ def wait_for_inputs(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
+@triton.jit
+def load_kv(pool_ptr, scales_ptr, rows, d, row_mask, mask, DIM: tl.constexpr, QUANT: tl.constexpr):
+    """A tile of a KV pool's rows (rows: each one's first element; d: the columns): as the pool holds them, or a
+    quantized pool's numbers (QUANT 1: int8; 2: e4m3, read as bytes) times each row's scale, the fp32 after its DIM
+    numbers (scales_ptr: the pool read as fp32; layers/kv_quant.py's layout)."""
+    x = tl.load(pool_ptr + rows[:, None] + d[None, :], mask=mask, other=0)
+    if QUANT:
+        if QUANT == 2:
+            x = x.to(tl.float8e4nv, bitcast=True)
+        scale = tl.load(scales_ptr + (rows + DIM) // 4, mask=row_mask, other=0.0)
+        x = x.to(tl.float32) * scale[:, None]
+    return x
+
+
 @triton.jit(do_not_specialize=["keys_per_split", "splits", "stride_tb"])  # they vary with the step's longest context
 def decode_attention(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, lse_ptr, scale, window, keys_per_split, splits,
+        q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, tables_ptr, lengths_ptr, out_ptr, lse_ptr, scale, window,
+        keys_per_split, splits,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
+        PDL: tl.constexpr):
     """One program: one sequence, one KV head (its GROUP query heads together), one split of the keys. Keys are
-    read through the block table, BLOCK_N at a time, with an online softmax. splits > 1 writes each split's
-    normalized output and log-sum-exp for combine_splits; splits == 1 writes the result. Neither splits nor the
+    read through the block table, BLOCK_N at a time (QUANT: from a quantized pool, load_kv), with an online
+    softmax. splits > 1 writes each split's normalized output and log-sum-exp for combine_splits; splits == 1
+    writes the result. Neither splits nor the
     table's width is a constexpr or specialized on: a step op by op, whose counts grow with its longest context,
     reuses one compiled kernel (as constexprs, a growing context compiled 39 of them)."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -68,8 +85,8 @@ def decode_attention(
         block = tl.load(tables_ptr + b * stride_tb + n // BLOCK_SIZE, mask=n < hi, other=0)
         rows = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = valid[:, None] & (d[None, :] < DIM)
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv(k_ptr, k_scales_ptr, rows, d, valid, kv_mask, DIM, QUANT).to(q.dtype)
+        v = load_kv(v_ptr, v_scales_ptr, rows, d, valid, kv_mask, DIM, QUANT).to(q.dtype)
         m_i, l_i, acc = online_softmax(q, k, v, valid[None, :], scale, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
@@ -80,13 +97,14 @@ def decode_attention(
 
 @triton.jit(do_not_specialize=["stride_tb"])
 def prefill_attention(
-        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, rows_ptr, block_seq_ptr, block_row_ptr, scale,
-        window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
+        q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, out_ptr, tables_ptr, starts_ptr, rows_ptr, block_seq_ptr,
+        block_row_ptr, scale, window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
         GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_M query rows of one prefill chunk, one query head. The chunk's rows sit at positions
     start.. of its sequence; each sees the keys up to its own position (the last `window` of them on a sliding
-    layer), read through the sequence's block table: the cached prefix and the chunk alike."""
+    layer), read through the sequence's block table: the cached prefix and the chunk alike (QUANT: from a
+    quantized pool, load_kv)."""
     block, head = tl.program_id(0), tl.program_id(1)
     wait_for_inputs(PDL)
     seq = tl.load(block_seq_ptr + block)
@@ -112,8 +130,8 @@ def prefill_attention(
         table_block = tl.load(tables_ptr + seq * stride_tb + n // BLOCK_SIZE, mask=exists, other=0)
         key_rows = table_block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = exists[:, None] & (d[None, :] < DIM)
-        k = tl.load(k_ptr + key_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + key_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv(k_ptr, k_scales_ptr, key_rows, d, exists, kv_mask, DIM, QUANT).to(q.dtype)
+        v = load_kv(v_ptr, v_scales_ptr, key_rows, d, exists, kv_mask, DIM, QUANT).to(q.dtype)
         sees = exists[None, :] & (n[None, :] <= positions[:, None])
         sees &= (window <= 0) | (n[None, :] > positions[:, None] - window)
         m_i, l_i, acc = online_softmax(q, k, v, sees, scale, m_i, l_i, acc, IEEE)
@@ -170,11 +188,52 @@ def silu_mul(x_ptr, out_ptr, stride_x, stride_o, cols, BLOCK: tl.constexpr, PDL:
     tl.store(out_ptr + row * stride_o + c, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
-def rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_qkv,
-                          stride_cos, stride_q, stride_slot, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                          DIM: tl.constexpr, HALF_PAD: tl.constexpr, PDL: tl.constexpr):
-    """One token's head: a query head is rotated into q; a KV head's key is rotated and its value copied into the
-    pool at the token's slot. Rotate-half RoPE in fp32."""
+def round_half_even(x):
+    """x (fp32, |x| < 2^22) to the nearest integer, ties to even (torch.round's), as fp32."""
+    r = tl.floor(x + 0.5)
+    return tl.where((r - x == 0.5) & (r % 2 != 0), r - 1, r)
+
+
+@triton.jit
+def e4m3_grid(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32 (its conversion to e4m3 is then
+    exact: Triton's interpreter rounds wrongly where a rounding carries into the exponent). Normal values keep 3
+    mantissa bits; below 2^-6, multiples of 2^-9 (e4m3's subnormals), the sign kept for zero."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    tiny = round_half_even(tl.abs(x) * 512.0) / 512.0
+    return tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -tiny, tiny), normal)
+
+
+@triton.jit
+def store_kv_row(pool_ptr, scales_ptr, row, i, mask, x1, x2, HALF: tl.constexpr, LARGEST: tl.constexpr):
+    """A KV head's row of a token (its halves x1, x2, fp32) into the pool at element `row`: in the pool's dtype, or
+    (LARGEST > 0) quantized as layers/kv_quant.py's quantize writes it: the numbers x / scale (127: int8, rounded
+    to nearest, ties to even; 448: e4m3), then scale = amax / LARGEST (scales_ptr: the pool read as fp32)."""
+    if LARGEST > 0:
+        scale = tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)) / LARGEST
+        safe = tl.where(scale > 0, scale, 1.0)
+        x1 = tl.where(scale > 0, x1 / safe, 0.0)
+        x2 = tl.where(scale > 0, x2 / safe, 0.0)
+        if LARGEST == 127.0:
+            x1 = round_half_even(x1)
+            x2 = round_half_even(x2)
+        else:
+            x1 = e4m3_grid(x1)
+            x2 = e4m3_grid(x2)
+        tl.store(scales_ptr + (row + 2 * HALF) // 4, scale)
+    tl.store(pool_ptr + row + i, x1.to(pool_ptr.dtype.element_ty), mask=mask)
+    tl.store(pool_ptr + row + HALF + i, x2.to(pool_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
+                          slots_ptr, stride_qkv, stride_cos, stride_q, stride_slot, stride_kh,
+                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF_PAD: tl.constexpr,
+                          LARGEST: tl.constexpr, PDL: tl.constexpr):
+    """One token's head: a query head is rotated into q; a KV head's key is rotated (and rounded to the compute
+    dtype, q's) and its value copied into the pool at the token's slot (store_kv_row; LARGEST > 0: a quantized
+    pool). Rotate-half RoPE in fp32."""
     token, head = tl.program_id(0), tl.program_id(1)
     wait_for_inputs(PDL)
     half = DIM // 2
@@ -185,19 +244,20 @@ def rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, sl
     src = qkv_ptr + token * stride_qkv + head * DIM
     x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + i, mask=mask, other=0.0).to(tl.float32)
-    r1 = x1 * cos - x2 * sin
-    r2 = x2 * cos + x1 * sin
+    r1 = (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty)
+    r2 = (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty)
     if head < HEADS:
         dst = q_ptr + token * stride_q + head * DIM
+        tl.store(dst + i, r1, mask=mask)
+        tl.store(dst + half + i, r2, mask=mask)
     else:
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        dst = k_cache_ptr + slot * stride_slot + (head - HEADS) * DIM
+        row = tl.load(slots_ptr + token).to(tl.int64) * stride_slot + (head - HEADS) * stride_kh
+        store_kv_row(k_cache_ptr, k_scales_ptr, row, i, mask, r1.to(tl.float32), r2.to(tl.float32), DIM // 2,
+                     LARGEST)
         v_src = src + KV_HEADS * DIM
-        v_dst = v_cache_ptr + slot * stride_slot + (head - HEADS) * DIM
-        tl.store(v_dst + i, tl.load(v_src + i, mask=mask), mask=mask)
-        tl.store(v_dst + half + i, tl.load(v_src + half + i, mask=mask), mask=mask)
-    tl.store(dst + i, r1.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half + i, r2.to(q_ptr.dtype.element_ty), mask=mask)
+        v1 = tl.load(v_src + i, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(v_src + half + i, mask=mask, other=0.0).to(tl.float32)
+        store_kv_row(v_cache_ptr, v_scales_ptr, row, i, mask, v1, v2, DIM // 2, LARGEST)
 
 @triton.jit
 def weight_tile(w_ptr, scales_ptr, mins_ptr, n, n_mask, k0, cols, stride_w, stride_s, BITS: tl.constexpr,

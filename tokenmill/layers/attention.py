@@ -258,7 +258,9 @@ def fused_rotary_attention(layer: int, qkv: torch.Tensor, rope: tuple[torch.Tens
     meta, layer = meta.of_layer(layer)
     cos, sin = rope
     if backend.gpu_runs(qkv):
-        q = gpu.rope_store_kv(qkv, cos, sin, *meta.kv_of(layer), meta.slot_mapping, heads, kv_heads)
+        k_cache, v_cache = meta.kv_of(layer)
+        q = gpu.rope_store_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, heads, kv_heads,
+                              kv_quant.largest(k_cache.dtype))
     elif backend.cpu_kernels(qkv.device):
         q = torch.ops.tokenmill.rope_store_kv(qkv, cos, sin, *meta.kv_of(layer), meta.slot_mapping, heads,
                                               kv_heads)

@@ -24,6 +24,11 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in QUANTIZED
 
 
+def largest(dtype: torch.dtype) -> float:
+    """A quantized pool's largest number, which a row's amax maps to (its scale's divisor); 0 for another pool."""
+    return _LARGEST.get(dtype, 0.0)
+
+
 def row_width(dtype: torch.dtype, head_dim: int) -> int:
     """Elements of one KV head's row of a token in a pool of this dtype."""
     return head_dim + SCALE_BYTES if is_quantized(dtype) else head_dim
@@ -32,8 +37,7 @@ def row_width(dtype: torch.dtype, head_dim: int) -> int:
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [..., head_dim] -> its rows in a pool of dtype, [..., head_dim + 4]."""
     wide = x.float()
-    largest = _LARGEST[dtype]
-    scale = wide.abs().amax(-1, keepdim=True) / largest
+    scale = wide.abs().amax(-1, keepdim=True) / largest(dtype)
     numbers = torch.where(scale > 0, wide / scale, 0.0)  # within +-largest (an ulp past it rounds back)
     stored = numbers.round().to(torch.int8) if dtype == torch.int8 else numbers.to(torch.float8_e4m3fn)
     return torch.cat([stored.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1).view(dtype)
