@@ -225,6 +225,7 @@ struct Isa {
   }
   static Signed8 signed8(I v) { return {_mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)))}; }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   // acc + per lane the sum of four weights times the four activations at x
   static I dot4(I acc, I w, const int8_t* x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(load32(x))); }
   static I dot4(I acc, Signed8 w, const int8_t* x) { return dot4(acc, w.u, x); }
@@ -323,7 +324,6 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
   using V = Isa;
   const int32_t* starts = x.starts.data() + r0 * groups;
   const float* xsums = shift ? x.xsums.data() + r0 * groups : nullptr;
-  const auto four = [&](int64_t j, int i) { return xq + ((j / 4) * N + i) * 4; };  // values j..j+3 of row i
   constexpr int64_t kAhead = 4;  // blocks
   for (int64_t lane0 = 0; lane0 < kLanes; lane0 += V::kLanes) {
     typename V::F acc[N];
@@ -331,6 +331,10 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* at = q + b * block_bytes + lane0 * 4;
       if (lane0 == 0) prefetch(at + kAhead * block_bytes, block_bytes);
+      // values k..k+3 of the block (k a multiple of 4) of row i: fixed offsets from the block's start, so the
+      // unrolled loops address them without index arithmetic (it was a third of the instructions at 5 rows)
+      const int8_t* xb = xq + b * kBlock * N;
+      const auto four = [&](int k, int i) { return xb + ((k / 4) * N + i) * 4; };
       typename V::I sums[N];
       // One scale's worth of weights (a block, or half of one): the integer sums, then one float multiply-add.
       const auto finish = [&](int64_t k, const typename V::I (&s)[N]) {
@@ -347,10 +351,18 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
       if constexpr (BITS != 8) {
         // A scale per 16 (Q6_K): the low nibbles are weights 0-15 and the high ones the next sub-block, each summed
         // on its own.
+        // With one scale per block, the high nibbles still sum apart where vpdpbusd runs (AVX-512): one chain of 8
+        // dependent vpdpbusd a row and block was bound by their latency, two of 4 are not (integer sums: the same
+        // result in any order).
+        constexpr bool kTwoChains = SUB == 16 || V::kLanes == 16;
         typename V::I upper[N];
-        typename V::I (&high_sums)[N] = SUB == 16 ? upper : sums;
+        typename V::I (&high_sums)[N] = kTwoChains ? upper : sums;
         start(b * (kBlock / SUB), sums);
-        if constexpr (SUB == 16) start(2 * b + 1, upper);
+        if constexpr (SUB == 16) {
+          start(2 * b + 1, upper);
+        } else if constexpr (kTwoChains) {
+          for (int i = 0; i < N; ++i) upper[i] = V::set1(0);
+        }
         typename V::I planes[2]{};
         if constexpr (BITS > 4) {
           for (int half = 0; half < 2; ++half)
@@ -365,19 +377,36 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
             hi = V::with_high(hi, planes[1], tokenmill::high_shift<BITS>(c, 1), mask);
           }
           for (int i = 0; i < N; ++i) {
-            sums[i] = V::dot4(sums[i], lo, four(b * kBlock + 4 * c, i));
-            high_sums[i] = V::dot4(high_sums[i], hi, four(b * kBlock + 16 + 4 * c, i));
+            sums[i] = V::dot4(sums[i], lo, four(4 * c, i));
+            high_sums[i] = V::dot4(high_sums[i], hi, four(16 + 4 * c, i));
           }
+        }
+        if constexpr (SUB != 16 && kTwoChains) {
+          for (int i = 0; i < N; ++i) sums[i] = V::add(sums[i], upper[i]);
         }
         finish(b * (kBlock / SUB), sums);
         if constexpr (SUB == 16) finish(2 * b + 1, upper);
       } else {
+        // odd chunks sum apart where vpdpbusd runs (AVX-512): two chains of dependent vpdpbusd, not one
+        constexpr bool kTwoChains = V::kLanes == 16;
+        typename V::I odd[N];
 #pragma GCC unroll 8
         for (int64_t c = 0; c < 8; ++c) {
-          if (c % (SUB / 4) == 0) start(b * (kBlock / SUB) + c / (SUB / 4), sums);
+          if (c % (SUB / 4) == 0) {
+            start(b * (kBlock / SUB) + c / (SUB / 4), sums);
+            if constexpr (kTwoChains) {
+              for (int i = 0; i < N; ++i) odd[i] = V::set1(0);
+            }
+          }
           const typename V::Signed8 v = V::signed8(V::load(at + c * kLanes * 4));
-          for (int i = 0; i < N; ++i) sums[i] = V::dot4(sums[i], v, four(b * kBlock + 4 * c, i));
-          if (c % (SUB / 4) == SUB / 4 - 1) finish(b * (kBlock / SUB) + c / (SUB / 4), sums);
+          typename V::I (&into)[N] = kTwoChains && c % 2 ? odd : sums;
+          for (int i = 0; i < N; ++i) into[i] = V::dot4(into[i], v, four(4 * static_cast<int>(c), i));
+          if (c % (SUB / 4) == SUB / 4 - 1) {
+            if constexpr (kTwoChains) {
+              for (int i = 0; i < N; ++i) sums[i] = V::add(sums[i], odd[i]);
+            }
+            finish(b * (kBlock / SUB) + c / (SUB / 4), sums);
+          }
         }
       }
     }
