@@ -31,6 +31,7 @@ SHAPES = {
 # the GPUs Triton builds bf16 dots for. An H100 gives 227 KiB.
 SHARED_LIMIT = 99 * 1024
 GROWING = "a growing context"
+QUANTIZED_KV_SHAPES = ("SmolLM2-135M", "Gemma-3-270M")  # a quantized KV pool's kernels too, 64- and 256-wide heads
 
 
 def _ptxas() -> Path | None:
@@ -203,6 +204,14 @@ def _compile_launches(arch: int, dtype: torch.dtype, pdl: bool) -> list[Build]:
         quantized(qkv.shape[0], hidden, 8, False).dequantize(dtype, ids(5))
         rope = torch.empty(3, 1, dim // 2)
         gpu.rope_store_kv(empty(3, (heads + 2 * kv_heads) * dim), rope, rope, cache, cache, ids(3), heads, kv_heads)
+        if compiling.model in QUANTIZED_KV_SHAPES:  # --kv-cache-dtype int8, fp8_e4m3: each row's numbers and scale
+            for kv, largest in ((torch.int8, 127.0), (torch.float8_e4m3fn, 448.0)):
+                pool = torch.empty(64, 16, kv_heads, dim + 4, dtype=kv)
+                gpu.paged_decode_attention(empty(1, heads, dim), pool, pool, ids(1, 64), ids(1) + 1, 0.1)
+                gpu.paged_prefill_attention(empty(40, heads, dim), pool, pool, ids(2, 8), ids(2),
+                                            torch.tensor([0, 20, 40]), ids(2), ids(2), 0.1)
+                gpu.rope_store_kv(empty(3, (heads + 2 * kv_heads) * dim), rope, rope, pool, pool, ids(3), heads,
+                                  kv_heads, largest)
     if pdl:
         return builds  # PDL adds no specialisation: the plain builds check a growing context
     compiling.model = GROWING  # steps op by op: tables as wide as the longest context, which grows
