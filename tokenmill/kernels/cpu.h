@@ -190,8 +190,6 @@ struct Vec {
 };
 #endif
 
-// v[j] = e^(v[j] - shift) for j < n (exp512's arithmetic on every lane, the tail too: one rounding for all); returns
-// their sum. The scalar std::exp was most of the decode attention's softmax and of SiLU (measured with perf).
 // The largest of v's n values (none NaN; -inf where n is 0), in vector lanes: std::max_element's loop is one
 // dependent chain of scalar maxes, 4 cycles a value (a third of the decode kernel's time at 256 keys a task).
 inline float max_of(const float* v, int64_t n) {
@@ -210,6 +208,8 @@ inline float max_of(const float* v, int64_t n) {
   return top;
 }
 
+// v[j] = e^(v[j] - shift) for j < n (exp512's arithmetic on every lane, the tail too: one rounding for all); returns
+// their sum. The scalar std::exp was most of the decode attention's softmax and of SiLU (measured with perf).
 inline float exp_sum(float* v, int64_t n, float shift) {
   int64_t j = 0;
   float sum = 0.f;

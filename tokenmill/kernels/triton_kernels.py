@@ -61,9 +61,9 @@ def decode_attention(
     """One program: one sequence, one KV head (its GROUP query heads together), one split of the keys. Keys are
     read through the block table, BLOCK_N at a time (QUANT: from a quantized pool, load_kv), with an online
     softmax. splits > 1 writes each split's normalized output and log-sum-exp for combine_splits; splits == 1
-    writes the result. Neither splits nor the
-    table's width is a constexpr or specialized on: a step op by op, whose counts grow with its longest context,
-    reuses one compiled kernel (as constexprs, a growing context compiled 39 of them)."""
+    writes the result. Neither splits nor the table's width is a constexpr or specialized on: a step op by op,
+    whose counts grow with its longest context, reuses one compiled kernel (as constexprs, a growing context
+    compiled 39 of them)."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     wait_for_inputs(PDL)
     length = tl.load(lengths_ptr + b)

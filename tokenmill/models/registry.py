@@ -152,10 +152,12 @@ def _use_tiles(quantized: list[QuantizedLinear], dtype: torch.dtype, device: tor
 
 def _choose_pairs(model: nn.Module, dtype: torch.dtype, choice: str) -> None:
     """Whether a bf16 model's rows multiply its bf16 weights kept for the kernels as bf16 pairs (asked of the
-    backend only where there are such rows and weights)."""
-    held = [m for m in model.modules() if isinstance(m, QuantizedLinear | QuantizedStacked) and m.weight.bits == 16]
-    if held and dtype == torch.bfloat16 and not backend.bf16_pair_matmul(choice):
-        for module in held:
+    backend only where there are such rows and weights). Every kernel matrix gets the answer (only bf16 weights act
+    on it): the fused decode layer reads it from its first layer's q|k|v, whatever that one's bits."""
+    kernels = [m for m in model.modules() if isinstance(m, QuantizedLinear | QuantizedStacked)]
+    bf16_weights = any(m.weight.bits == 16 for m in kernels)
+    if bf16_weights and dtype == torch.bfloat16 and not backend.bf16_pair_matmul(choice):
+        for module in kernels:
             module.pairs = False
 
 
