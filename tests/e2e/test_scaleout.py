@@ -30,11 +30,12 @@ SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which
 pytestmark = pytest.mark.skipif(SMG is None, reason="smg is not installed (pip install 'tokenmill[scaleout]')")
 
 MODEL = "tiny"
-# Each replica's KV memory holds about four of the six system prompts (≈830 tokens each, 512 bytes a token): round
-# robin sends every prompt to both replicas, whose caches then evict one another's prompts; cache_aware keeps three
-# on each, with room for the requests in flight (at three prompts' worth, those evicted cache_aware's own under
-# load: measured 43-61% against round robin's 38-42% with the cores busy).
-KV_MEMORY = str(3600 * 512)
+# Each replica's KV memory holds all six tenants' system prompts (≈830 tokens each, 512 bytes a token) and the
+# requests in flight: nothing is evicted, so the prompt tokens the replicas compute measure the routing alone (a
+# prompt's first visit to a replica computes it; every later one hits). cache_aware sends each prompt to one replica,
+# round robin to both. A KV memory for fewer prompts made the figure depend on how cache_aware split the six between
+# the replicas (5 and 1 as often as 3 and 3) and on the CPU's load.
+KV_MEMORY = str(8192 * 512)
 NO_WHITESPACE = {str(ord(c)): -100 for c in " \t\n\r"}  # the tiny model's bytes are its tokens
 COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
          "additionalProperties": False}
@@ -86,18 +87,17 @@ def gateway(workers: list[ServerThread], policy: str) -> Iterator[str]:
         process.wait(timeout=10)
 
 
-def prefix_hit_rate(workers: list[ServerThread], before: list[dict[str, float]]) -> float:
+def prefix_tokens(workers: list[ServerThread], before: list[dict[str, float]]) -> tuple[float, float]:
+    """Prompt tokens the replicas looked up in their prefix caches since `before`, and those they found."""
     after = [read_metrics(w.root_url) for w in workers]
-    hits = sum(a["tokenmill:prefix_cache_hits_total"] - b["tokenmill:prefix_cache_hits_total"]
-               for a, b in zip(after, before, strict=True))
-    queries = sum(a["tokenmill:prefix_cache_queries_total"] - b["tokenmill:prefix_cache_queries_total"]
-                  for a, b in zip(after, before, strict=True))
-    return hits / queries
+    queries, hits = ("tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total")
+    return (sum(a[queries] - b[queries] for a, b in zip(after, before, strict=True)),
+            sum(a[hits] - b[hits] for a, b in zip(after, before, strict=True)))
 
 
-def tenants_through(url: str, workers: list[ServerThread], seed: int) -> float:
-    """The tenants workload (6 system prompts, 48 requests, 4 in flight) through the gateway: the replicas' prefix
-    hit rate over it."""
+def tenants_through(url: str, workers: list[ServerThread], seed: int) -> tuple[float, float]:
+    """The tenants workload (6 system prompts, 48 requests, 4 in flight) through the gateway: the prompt tokens the
+    replicas looked up and found."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     before = [read_metrics(w.root_url) for w in workers]
     conversations = build(WorkloadParams("tenants", num_requests=48, system_prompts=6, prefix_len=150, prompt_len=10,
@@ -109,18 +109,21 @@ def tenants_through(url: str, workers: list[ServerThread], seed: int) -> float:
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(send, conversations))
-    return prefix_hit_rate(workers, before)
+    return prefix_tokens(workers, before)
 
 
 def test_cache_aware_routing_keeps_each_prompt_on_one_replica(tiny4k: LoadedModel, capsys) -> None:
     with replicas(tiny4k) as workers:
         with gateway(workers, "round_robin") as url:
-            round_robin = tenants_through(url, workers, seed=1)
+            rr_queries, rr_hits = tenants_through(url, workers, seed=1)
         with gateway(workers, "cache_aware") as url:
-            cache_aware = tenants_through(url, workers, seed=2)
+            ca_queries, ca_hits = tenants_through(url, workers, seed=2)
     with capsys.disabled():
-        print(f"\nprefix hits over two replicas: cache_aware {cache_aware:.0%}, round_robin {round_robin:.0%}")
-    assert cache_aware >= round_robin + 0.20
+        print(f"\nover two replicas, prompt tokens computed: cache_aware {ca_queries - ca_hits:.0f}, round_robin "
+              f"{rr_queries - rr_hits:.0f}; prefix hits {ca_hits / ca_queries:.0%} and {rr_hits / rr_queries:.0%}")
+    # Each system prompt computed once against twice: the 48 user turns' own tokens, computed either way, keep the
+    # ratio above one half (0.57 in theory)
+    assert ca_queries - ca_hits <= 0.7 * (rr_queries - rr_hits)
 
 
 def test_requests_arrive_unchanged_errors_keep_replicas_and_a_survivor_serves(tiny4k: LoadedModel) -> None:
