@@ -381,7 +381,7 @@ def test_the_kernel_multiplies_bf16_weights_in_fp32(rows: int, out: int) -> None
 @pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("pairs", [True, False], ids=["pairs", "fp32"])
 @pytest.mark.parametrize("rows", [1, 5, 8, 19, 300])
-@pytest.mark.parametrize("out", [40, 64])
+@pytest.mark.parametrize("out", [40, 64, 300])  # 300: sets of 4 groups at few rows, the last of 3 and a partial one
 def test_bf16_rows_on_bf16_weights_are_the_exact_products_summed_in_fp32(rows: int, out: int, pairs: bool) -> None:
     """A bf16 model's rows, as they are, times its bf16 weights (on bf16 pairs, vdpbf16ps, where the CPU has
     AVX512-BF16 and pairs asks for them, else each widened to fp32): every product exact, summed in fp32, rounded
@@ -419,6 +419,34 @@ def test_fp32_rows_of_a_bf16_model_multiply_as_their_bf16_rounding(rows: int, pa
     exact = x.double() @ w.double().T
     assert ((torch.ops.tokenmill.quantized_linear(x, *args).double() - exact).abs().max()
             < (rounded.double() - exact).abs().max())
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("rows", [3, 20])  # a tile of few rows, and of many
+def test_bf16_sums_and_rows_round_to_nearest_even_as_torch_rounds(rows: int) -> None:
+    """Sums that fall exactly halfway between two bf16 (1 + k 2^-8 for odd k: one rounds down to even, the next up),
+    infinities and NaN: the bf16 sums are torch's rounding of the fp32 sums; and fp32 rows rounded to bf16 before
+    their products (bf16_rows) are torch's rounding of the rows, a NaN whose payload would carry into the sign
+    included."""
+    halves = torch.tensor([k * 2.0**-8 for k in (1, 3, 5, 7, -1, -3)] + [float("inf"), float("nan")])
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    w[:, 0], w[torch.arange(16), 1 + torch.arange(16)] = 1, 1  # output o: x[0] + x[1 + o]
+    weight = QuantizedWeight.from_dense(w)
+    x = torch.zeros(rows, 64)
+    x[:, 0] = 1
+    x[:, 1:17] = halves[torch.arange(rows * 16) % len(halves)].view(rows, 16)
+    args = (weight.qweight, weight.scales, None, 32, 0, 16, 0)
+    sums = torch.ops.tokenmill.quantized_linear(x.bfloat16(), *args, False, pairs=False)
+    expected = (x.bfloat16().float() @ w.float().T).bfloat16()
+    assert sums.isnan().any() and torch.equal(sums.isnan(), expected.isnan())
+    assert torch.equal(sums.nan_to_num(), expected.nan_to_num())
+    ties = torch.ones(rows, 64) + halves[torch.arange(rows * 64) % 6].view(rows, 64)  # 1 + k 2^-8: not bf16 values
+    ties[0, 5] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)  # a NaN whose rounding carries
+    identity = QuantizedWeight.from_dense(torch.eye(64, dtype=torch.bfloat16))
+    rounded = torch.ops.tokenmill.quantized_linear(ties, identity.qweight, identity.scales, None, 32, 0, 64, 0, True,
+                                                   pairs=False)
+    assert rounded[0].isnan().all()  # times the identity's zeros too
+    assert torch.equal(rounded[1:], ties[1:].bfloat16().float())
 
 
 @needs_tiles

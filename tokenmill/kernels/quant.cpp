@@ -569,6 +569,150 @@ void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, 
 }
 #endif
 
+#if defined(TOKENMILL_VNNI512)
+#define TOKENMILL_WIDE_BF16 1
+// fp32 rows in the weights' pair order, two floats a chunk: row r's chunk 16b + c holds x[32b + pair_first(c)] and
+// x[32b + pair_first(c) + 2]. bf16 rows widen exactly; round: fp32 rows rounded to bf16 first (a bf16 model's rows).
+inline __m512 widen_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+// fp32 values rounded to bf16 (to nearest, ties to even; NaN stays NaN), as 32-bit lanes holding the bf16 in their
+// high half: exactly the bf16 widened back.
+inline __m512i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+// fp32 rows in the weights' pair order, two floats a chunk: row r's chunk 16b + c holds x[32b + pair_first(c)] and
+// x[32b + pair_first(c) + 2]. bf16 rows widen exactly; round: fp32 rows rounded to bf16 first (a bf16 model's rows).
+template <typename T>
+std::vector<float> paired_floats(const T* x, int64_t rows, int64_t in, bool round) {
+  std::vector<float> out(rows * in);
+  // output lane p of a block's 32 takes input pair_first(p / 2) + 2 * (p % 2) (bit 4: from the second vector)
+  alignas(64) int32_t index[2][kLanes];
+  for (int p = 0; p < 2 * kLanes; ++p) index[p / kLanes][p % kLanes] = tokenmill::pair_first(p / 2) + 2 * (p % 2);
+  const __m512i lo = _mm512_load_si512(index[0]), hi = _mm512_load_si512(index[1]);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < in / kBlock; ++b) {
+        const T* from = x + r * in + b * kBlock;
+        __m512 a, c;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          a = widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from)));
+          c = widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + kLanes)));
+        } else {
+          a = _mm512_loadu_ps(from);
+          c = _mm512_loadu_ps(from + kLanes);
+          if (round) {
+            a = _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16(a), 16));
+            c = _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16(c), 16));
+          }
+        }
+        float* to = out.data() + r * in + b * kBlock;
+        _mm512_storeu_ps(to, _mm512_permutex2var_ps(a, lo, c));
+        _mm512_storeu_ps(to + kLanes, _mm512_permutex2var_ps(a, hi, c));
+      }
+  });
+  return out;
+}
+
+constexpr int64_t kWideFewRows = 5;  // up to this many rows: tiles of 4 groups (20 sums), else 2 groups by 12 rows
+constexpr int64_t kWideRows = 12;
+
+// bf16 weights widened to fp32 times fp32 rows (paired_floats), GN groups (16 output rows each) by N rows into
+// out[N][GN * 16]: each broadcast activation feeds GN multiply-adds, each widened weight vector N. One sum a row and
+// output, each chunk's first product then its second, chunk by chunk: the same arithmetic whatever GN and N (a row's
+// result does not depend on its batch), where one group a tile with two sums a row (the AVX2 path's) was bound by
+// its broadcasts at many rows and by its two sums' adds at few.
+template <int GN, int N>
+void bf16_wide_tile(const QuantizedMatrix& w, int64_t g0, const float* x, int64_t r0, float (*out)[4 * kLanes]) {
+  const int64_t pairs = w.in / 2;
+  const uint8_t* q[GN];
+  for (int j = 0; j < GN; ++j) q[j] = w.q + (g0 + j) * pairs * kLanes * 4;
+  const float* xr[N];
+  for (int i = 0; i < N; ++i) xr[i] = x + (r0 + i) * w.in;
+  __m512 acc[N][GN];
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < GN; ++j) acc[i][j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < pairs; ++k) {
+    if constexpr (N <= kWideFewRows) {  // few rows read the weights at memory speed: ask for them 2 blocks ahead
+      if (k % 16 == 0)
+        for (int j = 0; j < GN; ++j) prefetch(q[j] + (k + 32) * kLanes * 4, 16 * kLanes * 4);
+    }
+    __m512 first[GN], second[GN];
+    for (int j = 0; j < GN; ++j) {
+      const __m512i v = _mm512_loadu_si512(q[j] + k * kLanes * 4);
+      first[j] = Isa::first_bf16(v);
+      second[j] = Isa::second_bf16(v);
+    }
+    for (int i = 0; i < N; ++i) {
+      const __m512 a = _mm512_set1_ps(xr[i][2 * k]), b = _mm512_set1_ps(xr[i][2 * k + 1]);
+      for (int j = 0; j < GN; ++j) acc[i][j] = _mm512_fmadd_ps(second[j], b, _mm512_fmadd_ps(first[j], a, acc[i][j]));
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < GN; ++j) _mm512_storeu_ps(out[i] + j * kLanes, acc[i][j]);
+}
+
+// n sums to bf16 (rounded as at::BFloat16 rounds), 16 at a time.
+inline void store_bf16(at::BFloat16* to, const float* from, int64_t n) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j), _mm512_cvtepi32_epi16(round_to_bf16(_mm512_loadu_ps(from + j))));
+  for (; j < n; ++j) to[j] = static_cast<at::BFloat16>(from[j]);
+}
+
+
+// out[rows, w.out] = paired fp32 rows times bf16 weights widened, sums as fp32 or rounded once to bf16: sets of
+// groups shared among the threads, rows in blocks kept in cache while the weights pass.
+template <typename TO>
+void bf16_wide_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, TO* out) {
+  if (rows == 0) return;
+  const int64_t groups = (w.out + kLanes - 1) / kLanes;
+  const bool few = rows <= kWideFewRows;
+  const int64_t per = few && groups >= 8 * at::get_num_threads() ? 4 : 2;  // groups a set
+  const int64_t tile_rows = few ? rows : kWideRows;
+  const int64_t sets = (groups + per - 1) / per;
+  const int64_t block = std::max<int64_t>(1, tokenmill::kRowBlockBytes / (w.in * 4 * tile_rows)) * tile_rows;
+  for (int64_t first = 0; first < rows; first += block) {
+    const int64_t last = std::min(rows, first + block);
+    at::parallel_for(0, sets, 1, [&](int64_t begin, int64_t end) {
+      float t[kWideRows][4 * kLanes];
+      for (int64_t set = begin; set < end; ++set) {
+        const int64_t g0 = set * per, gn = std::min(per, groups - g0);
+        const int64_t valid = std::min(gn * kLanes, w.out - g0 * kLanes);
+        for (int64_t r0 = first; r0 < last; r0 += tile_rows) {
+          const int64_t n = std::min(tile_rows, last - r0);
+          if (few) {
+            tokenmill::with_count<kWideFewRows>(n, [&](auto count) {
+              tokenmill::with_count<4>(gn, [&](auto set) {
+                bf16_wide_tile<decltype(set)::value, decltype(count)::value>(w, g0, x, r0, t);
+              });
+            });
+          } else {
+            tokenmill::with_count<kWideRows>(n, [&](auto count) {
+              tokenmill::with_count<2>(gn, [&](auto set) {
+                bf16_wide_tile<decltype(set)::value, decltype(count)::value>(w, g0, x, r0, t);
+              });
+            });
+          }
+          for (int64_t i = 0; i < n; ++i) {
+            TO* to = out + (r0 + i) * w.out + g0 * kLanes;
+            if constexpr (std::is_same_v<TO, float>) {
+              std::memcpy(to, t[i], valid * sizeof(float));
+            } else {
+              store_bf16(to, t[i], valid);
+            }
+          }
+        }
+      }
+    });
+  }
+}
+#endif
+
 // out[rows, w.out], groups shared among the threads: tile(g, r0, N, t) puts group g's columns of rows r0..r0+N-1 in
 // t (N <= kRowTile, a std::integral_constant). Rows go in blocks of about kRowBlockBytes of activations (row_bytes a
 // row), every group over a block before the next: the block stays in cache while the weights pass. Each group over
@@ -651,6 +795,19 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
     bf16_dot_matmul(paired.data(), x.size(0), w, out.data_ptr<float>());
     return out.to(out_type);
+  }
+#endif
+#if defined(TOKENMILL_WIDE_BF16)
+  if (x.scalar_type() == at::kBFloat16 && w.bits == 16) {  // bf16 rows widened exactly, the sums written as asked
+    const at::Tensor xb = x.contiguous();
+    const std::vector<float> paired = paired_floats(xb.data_ptr<at::BFloat16>(), x.size(0), w.in, false);
+    at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(out_type));
+    if (out_type == at::kFloat) {
+      bf16_wide_matmul(paired.data(), x.size(0), w, out.data_ptr<float>());
+    } else {
+      bf16_wide_matmul(paired.data(), x.size(0), w, out.data_ptr<at::BFloat16>());
+    }
+    return out;
   }
 #endif
   if (w.bits != 16 && !tokenmill::takes_tiles(x.size(0), tiles_from_rows) &&
@@ -782,6 +939,12 @@ void tokenmill::quantized_matmul(const float* x, int64_t rows, const QuantizedMa
 #if defined(TOKENMILL_DPBF16)
   if (bf16_rows && pairs && w.bits == 16) {
     bf16_dot_matmul(paired_rows(x, rows, w.in).data(), rows, w, out);
+    return;
+  }
+#endif
+#if defined(TOKENMILL_WIDE_BF16)
+  if (w.bits == 16) {
+    bf16_wide_matmul(paired_floats(x, rows, w.in, bf16_rows).data(), rows, w, out);
     return;
   }
 #endif
