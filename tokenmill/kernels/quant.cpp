@@ -487,6 +487,66 @@ void bf16_group_tile(const QuantizedMatrix& w, int64_t g, const float* x, int64_
 #endif
 }
 
+#if defined(TOKENMILL_VNNI512)
+// 16 bf16, widened to fp32 exactly
+inline __m512 widen_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+// fp32 values rounded to bf16 (to nearest, ties to even; NaN stays NaN), as 32-bit lanes holding the bf16 in their
+// high half: exactly the bf16 widened back.
+inline __m512i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i half = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));  // ties go to the even bf16
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, half), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+// n sums to bf16 (rounded as at::BFloat16 rounds), 16 at a time.
+inline void store_bf16(at::BFloat16* to, const float* from, int64_t n) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j),
+                        _mm512_cvtepi32_epi16(round_to_bf16(_mm512_loadu_ps(from + j))));
+  for (; j < n; ++j) to[j] = static_cast<at::BFloat16>(from[j]);
+}
+
+constexpr int64_t kMaxSetRows = 12;  // rows a tile of over_group_sets, at most
+
+// out[rows, w.out] (fp32, or each sum rounded to bf16), sets of `per` groups (16 outputs each) shared among the
+// threads: tile(g0, gn, r0, n, t) puts the gn groups from g0 of rows r0..r0+n-1 in t (n <= tile_rows <=
+// kMaxSetRows, gn <= per <= 4). Rows go in blocks of about kRowBlockBytes (row_bytes a row), every set over a block
+// before the next, as over_groups has them.
+template <typename TO, typename Tile>
+void over_group_sets(int64_t rows, int64_t row_bytes, int64_t tile_rows, int64_t per, const QuantizedMatrix& w,
+                     TO* out, Tile tile) {
+  const int64_t groups = (w.out + kLanes - 1) / kLanes;
+  const int64_t sets = (groups + per - 1) / per;
+  const int64_t block = std::max<int64_t>(1, tokenmill::kRowBlockBytes / (row_bytes * tile_rows)) * tile_rows;
+  for (int64_t first = 0; first < rows; first += block) {
+    const int64_t last = std::min(rows, first + block);
+    at::parallel_for(0, sets, 1, [&](int64_t begin, int64_t end) {
+      float t[kMaxSetRows][4 * kLanes];
+      for (int64_t set = begin; set < end; ++set) {
+        const int64_t g0 = set * per, gn = std::min(per, groups - g0);
+        const int64_t valid = std::min(gn * kLanes, w.out - g0 * kLanes);
+        for (int64_t r0 = first; r0 < last; r0 += tile_rows) {
+          const int64_t n = std::min(tile_rows, last - r0);
+          tile(g0, gn, r0, n, t);
+          for (int64_t i = 0; i < n; ++i) {
+            TO* to = out + (r0 + i) * w.out + g0 * kLanes;
+            if constexpr (std::is_same_v<TO, float>) {
+              std::memcpy(to, t[i], valid * sizeof(float));
+            } else {
+              store_bf16(to, t[i], valid);
+            }
+          }
+        }
+      }
+    });
+  }
+}
+#endif
+
 #if defined(TOKENMILL_VNNI512) && defined(__AVX512BF16__)
 #define TOKENMILL_DPBF16 1
 // The bits of a bf16: those of the value, or of the fp32 rounded to bf16 (to nearest, ties to even).
@@ -543,47 +603,19 @@ constexpr int64_t kDotRows = 6;  // rows a bf16_dot_tile: 6 x 4 sums, 4 weight v
 // idle) shared among the threads, rows in blocks as over_groups has them.
 void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, float* out) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
-  const int64_t per = groups >= 16 * at::get_num_threads() ? 4 : 2;  // groups a set
-  const int64_t sets = (groups + per - 1) / per;
-  const int64_t block = std::max<int64_t>(1, tokenmill::kRowBlockBytes / (w.in * 2 * kDotRows)) * kDotRows;
-  for (int64_t first = 0; first < rows; first += block) {
-    const int64_t last = std::min(rows, first + block);
-    at::parallel_for(0, sets, 1, [&](int64_t begin, int64_t end) {
-      float t[kDotRows][4 * kLanes];
-      for (int64_t set = begin; set < end; ++set) {
-        const int64_t g0 = set * per, gn = std::min(per, groups - g0);
-        const int64_t valid = std::min(gn * kLanes, w.out - g0 * kLanes);
-        for (int64_t r0 = first; r0 < last; r0 += kDotRows) {
-          const int64_t n = std::min(kDotRows, last - r0);
-          tokenmill::with_count<kDotRows>(n, [&](auto count) {
-            tokenmill::with_count<4>(gn, [&](auto set) {
-              bf16_dot_tile<decltype(set)::value, decltype(count)::value>(w, g0, x, r0, t);
-            });
-          });
-          for (int64_t i = 0; i < n; ++i)
-            std::memcpy(out + (r0 + i) * w.out + g0 * kLanes, t[i], valid * sizeof(float));
-        }
-      }
+  const int64_t per = groups >= 16 * at::get_num_threads() ? 4 : 2;
+  over_group_sets(rows, w.in * 2, kDotRows, per, w, out, [&](int64_t g0, int64_t gn, int64_t r0, int64_t n, auto t) {
+    tokenmill::with_count<kDotRows>(n, [&](auto count) {
+      tokenmill::with_count<4>(gn, [&](auto set) {
+        bf16_dot_tile<decltype(set)::value, decltype(count)::value>(w, g0, x, r0, t);
+      });
     });
-  }
+  });
 }
 #endif
 
 #if defined(TOKENMILL_VNNI512)
 #define TOKENMILL_WIDE_BF16 1
-// fp32 rows in the weights' pair order, two floats a chunk: row r's chunk 16b + c holds x[32b + pair_first(c)] and
-// x[32b + pair_first(c) + 2]. bf16 rows widen exactly; round: fp32 rows rounded to bf16 first (a bf16 model's rows).
-inline __m512 widen_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
-
-// fp32 values rounded to bf16 (to nearest, ties to even; NaN stays NaN), as 32-bit lanes holding the bf16 in their
-// high half: exactly the bf16 widened back.
-inline __m512i round_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
-
 // fp32 rows in the weights' pair order, two floats a chunk: row r's chunk 16b + c holds x[32b + pair_first(c)] and
 // x[32b + pair_first(c) + 2]. bf16 rows widen exactly; round: fp32 rows rounded to bf16 first (a bf16 model's rows).
 template <typename T>
@@ -656,15 +688,6 @@ void bf16_wide_tile(const QuantizedMatrix& w, int64_t g0, const float* x, int64_
     for (int j = 0; j < GN; ++j) _mm512_storeu_ps(out[i] + j * kLanes, acc[i][j]);
 }
 
-// n sums to bf16 (rounded as at::BFloat16 rounds), 16 at a time.
-inline void store_bf16(at::BFloat16* to, const float* from, int64_t n) {
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j), _mm512_cvtepi32_epi16(round_to_bf16(_mm512_loadu_ps(from + j))));
-  for (; j < n; ++j) to[j] = static_cast<at::BFloat16>(from[j]);
-}
-
-
 // out[rows, w.out] = paired fp32 rows times bf16 weights widened, sums as fp32 or rounded once to bf16: sets of
 // groups shared among the threads, rows in blocks kept in cache while the weights pass.
 template <typename TO>
@@ -672,44 +695,23 @@ void bf16_wide_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, TO
   if (rows == 0) return;
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
   const bool few = rows <= kWideFewRows;
-  const int64_t per = few && groups >= 8 * at::get_num_threads() ? 4 : 2;  // groups a set
-  const int64_t tile_rows = few ? rows : kWideRows;
-  const int64_t sets = (groups + per - 1) / per;
-  const int64_t block = std::max<int64_t>(1, tokenmill::kRowBlockBytes / (w.in * 4 * tile_rows)) * tile_rows;
-  for (int64_t first = 0; first < rows; first += block) {
-    const int64_t last = std::min(rows, first + block);
-    at::parallel_for(0, sets, 1, [&](int64_t begin, int64_t end) {
-      float t[kWideRows][4 * kLanes];
-      for (int64_t set = begin; set < end; ++set) {
-        const int64_t g0 = set * per, gn = std::min(per, groups - g0);
-        const int64_t valid = std::min(gn * kLanes, w.out - g0 * kLanes);
-        for (int64_t r0 = first; r0 < last; r0 += tile_rows) {
-          const int64_t n = std::min(tile_rows, last - r0);
-          if (few) {
-            tokenmill::with_count<kWideFewRows>(n, [&](auto count) {
-              tokenmill::with_count<4>(gn, [&](auto set) {
-                bf16_wide_tile<decltype(set)::value, decltype(count)::value>(w, g0, x, r0, t);
-              });
-            });
-          } else {
-            tokenmill::with_count<kWideRows>(n, [&](auto count) {
-              tokenmill::with_count<2>(gn, [&](auto set) {
-                bf16_wide_tile<decltype(set)::value, decltype(count)::value>(w, g0, x, r0, t);
-              });
-            });
-          }
-          for (int64_t i = 0; i < n; ++i) {
-            TO* to = out + (r0 + i) * w.out + g0 * kLanes;
-            if constexpr (std::is_same_v<TO, float>) {
-              std::memcpy(to, t[i], valid * sizeof(float));
-            } else {
-              store_bf16(to, t[i], valid);
-            }
-          }
-        }
-      }
-    });
-  }
+  const int64_t per = few && groups >= 8 * at::get_num_threads() ? 4 : 2;
+  over_group_sets(rows, w.in * 4, few ? rows : kWideRows, per, w, out,
+                  [&](int64_t g0, int64_t gn, int64_t r0, int64_t n, auto t) {
+    if (few) {
+      tokenmill::with_count<kWideFewRows>(n, [&](auto count) {
+        tokenmill::with_count<4>(gn, [&](auto set) {
+          bf16_wide_tile<decltype(set)::value, decltype(count)::value>(w, g0, x, r0, t);
+        });
+      });
+    } else {
+      tokenmill::with_count<kWideRows>(n, [&](auto count) {
+        tokenmill::with_count<2>(gn, [&](auto set) {
+          bf16_wide_tile<decltype(set)::value, decltype(count)::value>(w, g0, x, r0, t);
+        });
+      });
+    }
+  });
 }
 #endif
 
