@@ -204,8 +204,8 @@ class EngineClient:
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceOutput]]:
     """Outputs of several sequences as they come, tagged with the choice index."""
     if len(streams) == 1:  # most requests: straight from the stream, not through a task and a second queue
-        async for out in streams[0]:
-            yield 0, out
+        async for output in streams[0]:
+            yield 0, output
         return
     merged: asyncio.Queue[tuple[int, SequenceOutput | None]] = asyncio.Queue()
 
