@@ -598,10 +598,12 @@ void bf16_dot_tile(const QuantizedMatrix& w, int64_t g0, const uint32_t* x, int6
 }
 
 constexpr int64_t kDotRows = 6;  // rows a bf16_dot_tile: 6 x 4 sums, 4 weight vectors and a pair in 32 registers
+static_assert(kDotRows <= kMaxSetRows, "over_group_sets' tile holds these rows");
 
 // out[rows, w.out] = bf16 rows (paired_rows) times bf16 weights: sets of 4 groups (2 where that leaves threads
-// idle) shared among the threads, rows in blocks as over_groups has them.
-void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, float* out) {
+// idle) shared among the threads, rows in blocks as over_groups has them; sums as fp32 or rounded once to bf16.
+template <typename TO>
+void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, TO* out) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
   const int64_t per = groups >= 16 * at::get_num_threads() ? 4 : 2;
   over_group_sets(rows, w.in * 2, kDotRows, per, w, out, [&](int64_t g0, int64_t gn, int64_t r0, int64_t n, auto t) {
@@ -651,6 +653,7 @@ std::vector<float> paired_floats(const T* x, int64_t rows, int64_t in, bool roun
 
 constexpr int64_t kWideFewRows = 5;  // up to this many rows: tiles of 4 groups (20 sums), else 2 groups by 12 rows
 constexpr int64_t kWideRows = 12;
+static_assert(kWideRows <= kMaxSetRows, "over_group_sets' tile holds these rows");
 
 // bf16 weights widened to fp32 times fp32 rows (paired_floats), GN groups (16 output rows each) by N rows into
 // out[N][GN * 16]: each broadcast activation feeds GN multiply-adds, each widened weight vector N. One sum a row and
@@ -762,12 +765,13 @@ void integer_matmul(const TX* x, int64_t rows, const QuantizedMatrix& w, TO* out
   });
 }
 
-template <typename TX>
-void integer_matmul_to(const TX* x, int64_t rows, const QuantizedMatrix& w, at::Tensor& out) {
+// f(out's data as float* or at::BFloat16*): the kernels write fp32 or bf16 sums as they are, not through a copy.
+template <typename F>
+void with_sums(at::Tensor& out, F f) {
   if (out.scalar_type() == at::kFloat) {
-    integer_matmul(x, rows, w, out.data_ptr<float>());
+    f(out.data_ptr<float>());
   } else {
-    integer_matmul(x, rows, w, out.data_ptr<at::BFloat16>());
+    f(out.data_ptr<at::BFloat16>());
   }
 }
 
@@ -794,9 +798,9 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   if (pairs && x.scalar_type() == at::kBFloat16 && w.bits == 16) {  // bf16 rows on bf16 weights: vdpbf16ps
     const at::Tensor xb = x.contiguous();
     const std::vector<uint32_t> paired = paired_rows(xb.data_ptr<at::BFloat16>(), x.size(0), w.in);
-    at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(at::kFloat));
-    bf16_dot_matmul(paired.data(), x.size(0), w, out.data_ptr<float>());
-    return out.to(out_type);
+    at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(out_type));
+    with_sums(out, [&](auto* sums) { bf16_dot_matmul(paired.data(), x.size(0), w, sums); });
+    return out;
   }
 #endif
 #if defined(TOKENMILL_WIDE_BF16)
@@ -804,11 +808,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     const at::Tensor xb = x.contiguous();
     const std::vector<float> paired = paired_floats(xb.data_ptr<at::BFloat16>(), x.size(0), w.in, false);
     at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(out_type));
-    if (out_type == at::kFloat) {
-      bf16_wide_matmul(paired.data(), x.size(0), w, out.data_ptr<float>());
-    } else {
-      bf16_wide_matmul(paired.data(), x.size(0), w, out.data_ptr<at::BFloat16>());
-    }
+    with_sums(out, [&](auto* sums) { bf16_wide_matmul(paired.data(), x.size(0), w, sums); });
     return out;
   }
 #endif
@@ -818,8 +818,12 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     const at::Tensor xc = x.contiguous();
     at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(out_type));
     AT_DISPATCH_SWITCH(x.scalar_type(), "quantized_linear",
-        AT_DISPATCH_CASE(at::kFloat, [&] { integer_matmul_to(xc.data_ptr<scalar_t>(), x.size(0), w, out); })
-        AT_DISPATCH_CASE(at::kBFloat16, [&] { integer_matmul_to(xc.data_ptr<scalar_t>(), x.size(0), w, out); }));
+        AT_DISPATCH_CASE(at::kFloat, [&] {
+          with_sums(out, [&](auto* sums) { integer_matmul(xc.data_ptr<scalar_t>(), x.size(0), w, sums); });
+        })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] {
+          with_sums(out, [&](auto* sums) { integer_matmul(xc.data_ptr<scalar_t>(), x.size(0), w, sums); });
+        }));
     return out;
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
