@@ -129,7 +129,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
                                        "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
                                        "amx_from_rows", "bf16_kernels", "fused_decode_layers", "cpu_prefill_attention",
                                        "bf16_pair_attention", "bf16_pair_matmul",
-                                       "tp_shared_memory", "enforce_eager",
+                                       "tp_shared_memory", "freeze_gc", "enforce_eager",
                                        "gpu_row_matmul", "gpu_pdl"),
 }
 
@@ -237,6 +237,10 @@ class EngineConfig:
                                            "one host; needed with --nnodes > 1)")
     tp_shared_memory: bool = option(True, "tensor-parallel ranks on one CPU host all-reduce through shared memory "
                                           "(off: torch.distributed's gloo)")
+    freeze_gc: bool = option(True, "once the model is loaded, Python's garbage collector sets aside every object "
+                                   "alive then (gc.freeze), so its full collections, run every few hundred steps, "
+                                   "walk only what the steps made, not the model, tokenizer and libraries; thawed "
+                                   "when the engine stops")
     enforce_eager: bool = option(False, "on CUDA, run decode steps op by op instead of replaying CUDA graphs (one "
                                         "per batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs, captured at "
                                         "start-up)")

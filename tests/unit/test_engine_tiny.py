@@ -6,10 +6,12 @@ find)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -448,6 +450,24 @@ def test_a_sequence_that_arrives_as_the_engine_stops_is_aborted(tiny4k: LoadedMo
     assert sink.wait()[-1].finish_reason == "abort" and sink.tokens == []
     engine.stop()
     assert not engine.alive
+
+
+@pytest.mark.parametrize("freeze_gc", [True, False])
+def test_a_started_engine_sets_the_heap_aside_from_the_collector_until_it_stops(tiny4k: LoadedModel,
+                                                                                 freeze_gc: bool) -> None:
+    """What is alive once the model is loaded is frozen (full collections skip it); stopping thaws it, so the
+    engine's own cycles (its thread holds its loop, which holds it) are collected once it is dropped."""
+    engine = start_engine(tiny4k, freeze_gc=freeze_gc)
+    try:
+        assert (gc.get_freeze_count() > 0) == freeze_gc
+        assert run(engine, PROMPT, greedy(max_tokens=3)).last.finish_reason == "length"
+    finally:
+        engine.stop()
+    assert gc.get_freeze_count() == 0
+    dropped = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert dropped() is None
 
 
 def test_the_runner_gets_the_decode_graphs_start_up_built(tiny4k: LoadedModel,

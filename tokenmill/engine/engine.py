@@ -7,6 +7,7 @@ comes from builder.py, the outputs from output.py, speculation's policy from spe
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import queue
@@ -108,6 +109,8 @@ class Engine:
         self._stopping = True
         self._inbox.put(("stop", None))
         self._thread.join(timeout=10)
+        if self.config.freeze_gc:
+            gc.unfreeze()  # this engine's cycles become collectable again (and every other engine's, until it starts)
 
     @property
     def system_fingerprint(self) -> str:
@@ -215,6 +218,9 @@ class Engine:
     def _run(self) -> None:
         try:
             self._setup()
+            if self.config.freeze_gc:
+                gc.collect()
+                gc.freeze()
         except BaseException as exc:  # handed to start(), which raises it in the caller's thread
             self._start_error = exc
             return

@@ -370,7 +370,7 @@ class ModelPool:
             before, started = resident_bytes(), time.perf_counter()
             await asyncio.to_thread(engine.stop)
             del engine
-            await asyncio.to_thread(_collect)
+            await asyncio.to_thread(_collect, refreeze=any(h.spec.engine.freeze_gc for h in self.loaded()))
             hosted.unload_s = round(time.perf_counter() - started, 2)
             log.info("unloaded %s (%s) in %.1f s: resident %.0f -> %.0f MiB", hosted.name, why, hosted.unload_s,
                      before / 2**20, resident_bytes() / 2**20)
@@ -390,7 +390,10 @@ class ModelPool:
                     self._begin_unload(hosted, f"idle for {now - hosted.last_used:.0f} s")
 
 
-def _collect() -> None:
-    """Give an unloaded engine's memory back to the system: its cycles collected, the heap's free pages trimmed."""
+def _collect(refreeze: bool = False) -> None:
+    """Give an unloaded engine's memory back to the system: its cycles collected, the heap's free pages trimmed.
+    refreeze: set the heap aside from the collector again for the engines still loaded (stopping one thawed it)."""
     gc.collect()
     release_freed_memory()
+    if refreeze:
+        gc.freeze()
