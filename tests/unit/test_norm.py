@@ -12,17 +12,18 @@ from tokenmill.layers.norm import RMSNorm
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
 
 
+@pytest.mark.parametrize("dim", [96, 100])  # whole vectors of squares, and a tail past them
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_norms_as_torch_does(dtype: torch.dtype) -> None:
-    norm = RMSNorm(96, 1e-5)
-    norm.weight.data = torch.randn(96).to(dtype)
-    x = (torch.randn(5, 96) * 3).to(dtype)
-    expected = F.rms_norm(x.float(), (96,), norm.weight.float(), 1e-5)
+def test_the_kernel_norms_as_torch_does(dtype: torch.dtype, dim: int) -> None:
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data = torch.randn(dim).to(dtype)
+    x = (torch.randn(5, dim) * 3).to(dtype)
+    expected = F.rms_norm(x.float(), (dim,), norm.weight.float(), 1e-5)
     ours = norm(x)
     assert ours.dtype == dtype and ours.shape == x.shape
     assert torch.allclose(ours.float(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
-    heads = torch.randn(3, 4, 96)[:, 1:3]  # a strided view, as q/k norms see after the split
-    assert torch.allclose(norm(heads.to(dtype)).float(), F.rms_norm(heads.to(dtype).float(), (96,),
+    heads = torch.randn(3, 4, dim)[:, 1:3]  # a strided view, as q/k norms see after the split
+    assert torch.allclose(norm(heads.to(dtype)).float(), F.rms_norm(heads.to(dtype).float(), (dim,),
                           norm.weight.float(), 1e-5), rtol=1e-2, atol=1e-2)
 
 

@@ -38,6 +38,24 @@ void vector_rows(float* x, const float* residual, const float* weight, float* ou
 }
 #endif
 
+// The squares of n fp32 values summed, in vector lanes where the build has them (one running sum is a chain of
+// dependent adds: a 2,048-row prompt chunk's bf16 norms took 0.6 ms each on it).
+inline float sum_of_squares(const float* v, int64_t n) {
+  int64_t j = 0;
+  float squares = 0.f;
+#if defined(TOKENMILL_VEC)
+  using tokenmill::Vec;
+  Vec::F lanes = Vec::zero();
+  for (; j + Vec::kLanes <= n; j += Vec::kLanes) {
+    const Vec::F x = Vec::load(v + j);
+    lanes = Vec::fma(x, x, lanes);
+  }
+  squares = Vec::sum(lanes);
+#endif
+  for (; j < n; ++j) squares += v[j] * v[j];
+  return squares;
+}
+
 // out = x / rms(x) * weight per row, statistics in fp32; with residual, x += residual first (rounded to x's dtype,
 // as x + residual would be) and the sum is what is normalized.
 template <typename T>
@@ -54,7 +72,6 @@ void rms_rows(T* x, const T* residual, const T* weight, T* out, int64_t rows, in
     std::vector<float> row(dim);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;
-      float squares = 0.f;
       for (int64_t j = 0; j < dim; ++j) {
         float v = static_cast<float>(xr[j]);
         if (residual) {
@@ -62,9 +79,8 @@ void rms_rows(T* x, const T* residual, const T* weight, T* out, int64_t rows, in
           v = static_cast<float>(xr[j]);
         }
         row[j] = v;
-        squares += v * v;
       }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      const float inv = 1.f / std::sqrt(sum_of_squares(row.data(), dim) / static_cast<float>(dim) + eps);
       for (int64_t j = 0; j < dim; ++j) out[r * dim + j] = static_cast<T>(row[j] * inv * static_cast<float>(weight[j]));
     }
   });
