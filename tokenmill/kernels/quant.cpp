@@ -68,6 +68,7 @@ constexpr int64_t kRowTile = 8;  // activation rows that share one unpacking of 
 
 using tokenmill::QuantizedMatrix;
 using tokenmill::QuantizedRows;
+using tokenmill::Array;
 
 // A block of 32 values (fp32, or bf16 widened exactly) quantized to int8 at scale amax / 127, each rounded to nearest
 // (ties to even) as std::nearbyint does, into dst; sums: the codes' sums of each half. Returns the scale.
@@ -139,9 +140,9 @@ inline float quantize_block(const T* x, int8_t* dst, int32_t* sums) {
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, int64_t sub, int32_t zero, bool shifted) {
   const int64_t blocks = in / kBlock, groups = in / sub, parts = kBlock / sub;  // parts: 1, or 2 halves of 16
-  QuantizedRows out{QuantizedRows::Array<int8_t>(rows * in), QuantizedRows::Array<float>(rows * blocks),
-                    QuantizedRows::Array<int32_t>(rows * groups), QuantizedRows::Array<int32_t>(rows * groups),
-                    QuantizedRows::Array<float>(shifted ? rows * groups : 0)};
+  QuantizedRows out{Array<int8_t>(rows * in), Array<float>(rows * blocks),
+                    Array<int32_t>(rows * groups), Array<int32_t>(rows * groups),
+                    Array<float>(shifted ? rows * groups : 0)};
   // the raw pointers, restrict: the int8 stores would otherwise make the compiler reload every array's address
   int8_t* __restrict const q = out.q.data();
   float* __restrict const scale = out.scale.data();
@@ -557,8 +558,8 @@ inline uint32_t bf16_bits(float v) { return at::BFloat16(v).x; }
 // activations that chunk c of the weights' block multiplies, x[32b + pair_first(c)] and the one 2 after it, as one
 // 32-bit pair.
 template <typename T>
-std::vector<uint32_t> paired_rows(const T* x, int64_t rows, int64_t in) {
-  std::vector<uint32_t> out(rows * in / 2);
+Array<uint32_t> paired_rows(const T* x, int64_t rows, int64_t in) {
+  Array<uint32_t> out(rows * in / 2);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < in / kBlock; ++b)
@@ -621,8 +622,8 @@ void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, 
 // fp32 rows in the weights' pair order, two floats a chunk: row r's chunk 16b + c holds x[32b + pair_first(c)] and
 // x[32b + pair_first(c) + 2]. bf16 rows widen exactly; round: fp32 rows rounded to bf16 first (a bf16 model's rows).
 template <typename T>
-std::vector<float> paired_floats(const T* x, int64_t rows, int64_t in, bool round) {
-  std::vector<float> out(rows * in);
+Array<float> paired_floats(const T* x, int64_t rows, int64_t in, bool round) {
+  Array<float> out(rows * in);
   // output lane p of a block's 32 takes input pair_first(p / 2) + 2 * (p % 2) (bit 4: from the second vector)
   alignas(64) int32_t index[2][kLanes];
   for (int p = 0; p < 2 * kLanes; ++p) index[p / kLanes][p % kLanes] = tokenmill::pair_first(p / 2) + 2 * (p % 2);
@@ -797,7 +798,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
 #if defined(TOKENMILL_DPBF16)
   if (pairs && x.scalar_type() == at::kBFloat16 && w.bits == 16) {  // bf16 rows on bf16 weights: vdpbf16ps
     const at::Tensor xb = x.contiguous();
-    const std::vector<uint32_t> paired = paired_rows(xb.data_ptr<at::BFloat16>(), x.size(0), w.in);
+    const Array<uint32_t> paired = paired_rows(xb.data_ptr<at::BFloat16>(), x.size(0), w.in);
     at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(out_type));
     with_sums(out, [&](auto* sums) { bf16_dot_matmul(paired.data(), x.size(0), w, sums); });
     return out;
@@ -806,7 +807,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
 #if defined(TOKENMILL_WIDE_BF16)
   if (x.scalar_type() == at::kBFloat16 && w.bits == 16) {  // bf16 rows widened exactly, the sums written as asked
     const at::Tensor xb = x.contiguous();
-    const std::vector<float> paired = paired_floats(xb.data_ptr<at::BFloat16>(), x.size(0), w.in, false);
+    const Array<float> paired = paired_floats(xb.data_ptr<at::BFloat16>(), x.size(0), w.in, false);
     at::Tensor out = at::empty({x.size(0), w.out}, x.options().dtype(out_type));
     with_sums(out, [&](auto* sums) { bf16_wide_matmul(paired.data(), x.size(0), w, sums); });
     return out;
