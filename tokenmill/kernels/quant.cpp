@@ -515,18 +515,18 @@ constexpr int64_t kMaxSetRows = 12;  // rows a tile of over_group_sets, at most
 
 // out[rows, w.out] (fp32, or each sum rounded to bf16), sets of `per` groups (16 outputs each) shared among the
 // threads: tile(g0, gn, r0, n, t) puts the gn groups from g0 of rows r0..r0+n-1 in t (n <= tile_rows <=
-// kMaxSetRows, gn <= per <= 4). Rows go in blocks of about kRowBlockBytes (row_bytes a row), every set over a block
-// before the next, as over_groups has them.
+// kMaxSetRows, gn <= per <= 4). Rows go in blocks of about kRowBlockBytes (row_bytes a row), every set of a thread's
+// over a block before the next, as over_groups has them.
 template <typename TO, typename Tile>
 void over_group_sets(int64_t rows, int64_t row_bytes, int64_t tile_rows, int64_t per, const QuantizedMatrix& w,
                      TO* out, Tile tile) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
   const int64_t sets = (groups + per - 1) / per;
   const int64_t block = std::max<int64_t>(1, tokenmill::kRowBlockBytes / (row_bytes * tile_rows)) * tile_rows;
-  for (int64_t first = 0; first < rows; first += block) {
-    const int64_t last = std::min(rows, first + block);
-    at::parallel_for(0, sets, 1, [&](int64_t begin, int64_t end) {
-      float t[kMaxSetRows][4 * kLanes];
+  at::parallel_for(0, sets, 1, [&](int64_t begin, int64_t end) {
+    float t[kMaxSetRows][4 * kLanes];
+    for (int64_t first = 0; first < rows; first += block) {
+      const int64_t last = std::min(rows, first + block);
       for (int64_t set = begin; set < end; ++set) {
         const int64_t g0 = set * per, gn = std::min(per, groups - g0);
         const int64_t valid = std::min(gn * kLanes, w.out - g0 * kLanes);
@@ -543,8 +543,8 @@ void over_group_sets(int64_t rows, int64_t row_bytes, int64_t tile_rows, int64_t
           }
         }
       }
-    });
-  }
+    }
+  });
 }
 #endif
 
@@ -721,17 +721,20 @@ void bf16_wide_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, TO
 
 // out[rows, w.out], groups shared among the threads: tile(g, r0, N, t) puts group g's columns of rows r0..r0+N-1 in
 // t (N <= kRowTile, a std::integral_constant). Rows go in blocks of about kRowBlockBytes of activations (row_bytes a
-// row), every group over a block before the next: the block stays in cache while the weights pass. Each group over
-// all the rows at once read a 2,048-row step's activations (4.7 MiB of SmolLM2's fp32 rows) once per group, and made
-// the bf16 kernel's fp32 prefill 1.8x slower than oneDNN's.
+// row), every group of a thread's over a block before the next: the block stays in cache while the weights pass. Each
+// group over all the rows at once read a 2,048-row step's activations (4.7 MiB of SmolLM2's fp32 rows) once per
+// group, and made the bf16 kernel's fp32 prefill 1.8x slower than oneDNN's. The threads take their groups once and
+// walk the blocks on their own: a parallel region a block (57 of them in a 2,048-row down projection) woke the other
+// threads at each, which slept between them wherever libgomp saw more of its threads than CPUs (an engine thread's
+// team beside the main thread's: 20-35% of a prompt's matmul time).
 template <typename T, typename Tile>
 void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, T* out, Tile tile) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
   const int64_t block = std::max<int64_t>(1, tokenmill::kRowBlockBytes / (row_bytes * kRowTile)) * kRowTile;
-  for (int64_t first = 0; first < rows; first += block) {
-    const int64_t last = std::min(rows, first + block);
-    at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-      float t[kRowTile][kLanes];
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    float t[kRowTile][kLanes];
+    for (int64_t first = 0; first < rows; first += block) {
+      const int64_t last = std::min(rows, first + block);
       for (int64_t g = begin; g < end; ++g) {
         const int64_t valid = std::min(kLanes, w.out - g * kLanes);
         for (int64_t r0 = first; r0 < last; r0 += kRowTile) {
@@ -747,8 +750,8 @@ void over_groups(int64_t rows, int64_t row_bytes, const QuantizedMatrix& w, T* o
           }
         }
       }
-    });
-  }
+    }
+  });
 }
 
 // out[rows, w.out] = x @ dequantize(w).T on the integer kernel (w of 4 to 8 bits): x fp32 or bf16, out fp32 or bf16
