@@ -46,6 +46,13 @@ def cpu_kernels(device: torch.device) -> bool:
     return device.type == "cpu" and kernels.load()
 
 
+def release_threads(device: torch.device) -> None:
+    """Let the calling thread's OpenMP threads go, where device runs on the C++ kernels (kernels/threads.cpp says
+    why): an engine's thread, as it idles."""
+    if cpu_kernels(device):
+        torch.ops.tokenmill.release_threads()
+
+
 def vector_kernels(device: torch.device) -> bool:
     """The C++ kernels run here with their vector code (AVX2 and FMA, or above); without it they are plain loops,
     correct but slower than the matmul library's dense matmuls."""

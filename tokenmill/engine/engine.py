@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import __version__
+from tokenmill import __version__, backend
 from tokenmill.config import EngineConfig
 from tokenmill.engine.builder import build
 from tokenmill.engine.metrics import EngineMetrics
@@ -240,8 +240,12 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
-            # Block for news only when idle; otherwise take what has arrived and step.
-            self._drain_inbox(block=not self.scheduler.has_work())
+            # Block for news only when idle (the thread's OpenMP team let go meanwhile, so that another engine's
+            # steps run at full speed); otherwise take what has arrived and step.
+            idle = not self.scheduler.has_work()
+            if idle:
+                backend.release_threads(self.runner.device)
+            self._drain_inbox(block=idle)
             if self.tensor_parallel is not None:
                 self.tensor_parallel.check()
             if self._stopping:

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 SOURCES = ("quant.cpp", "ops.cpp")  # the translation units, compiled side by side
 # In the build key, not compiled on their own: ops.cpp includes the .cpp files
 HEADERS = ("cpu.h", "norm.cpp", "rope.cpp", "attention.cpp", "attention_prefill.cpp", "layer.cpp", "tiles.cpp",
-           "collectives.cpp", "lora.cpp", "sample.cpp")
+           "collectives.cpp", "lora.cpp", "sample.cpp", "threads.cpp")
 DISABLE_ENV = "TOKENMILL_NO_KERNELS"  # set to 1: never build or load them (the fallback, for A/B and tests)
 
 

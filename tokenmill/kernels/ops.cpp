@@ -11,3 +11,4 @@
 #include "tiles.cpp"
 #include "lora.cpp"
 #include "sample.cpp"
+#include "threads.cpp"
