@@ -7,6 +7,7 @@ comes from builder.py, the outputs from output.py, speculation's policy from spe
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import logging
@@ -221,6 +222,10 @@ class Engine:
             if self.config.freeze_gc:
                 gc.collect()
                 gc.freeze()
+                # thawed before the interpreter's end too: an engine never stopped (the in-process chat's) left
+                # the heap frozen into finalization, which crashed (SIGSEGV) as the process left
+                atexit.unregister(gc.unfreeze)
+                atexit.register(gc.unfreeze)
         except BaseException as exc:  # handed to start(), which raises it in the caller's thread
             self._start_error = exc
             return
