@@ -238,9 +238,9 @@ class EngineConfig:
     tp_shared_memory: bool = option(True, "tensor-parallel ranks on one CPU host all-reduce through shared memory "
                                           "(off: torch.distributed's gloo)")
     freeze_gc: bool = option(True, "once the model is loaded, Python's garbage collector sets aside every object "
-                                   "alive then (gc.freeze), so its full collections, run every few hundred steps, "
-                                   "walk only what the steps made, not the model, tokenizer and libraries; thawed "
-                                   "when the engine stops")
+                                   "alive then (gc.freeze): its full collections, which pause every stream, then "
+                                   "walk only what serving made, not the model, tokenizer and libraries; thawed "
+                                   "when the engine stops or the process exits")
     enforce_eager: bool = option(False, "on CUDA, run decode steps op by op instead of replaying CUDA graphs (one "
                                         "per batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs, captured at "
                                         "start-up)")
