@@ -259,10 +259,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Activation rows quantized to int8 per block of 32: q, the block's scale, and sum(q) per `sub` weights (the zero
-// point multiplies it, and with the block's scale the weights' shifts). quant.cpp. Rows lie in tiles of 8 (the last
-// one of what is left), a tile's n rows side by side (their values 4 at a time, their scales and sums one at a
-// time), so that the kernel reaches all of them through one pointer and fixed offsets; one row is laid out as itself.
 // An array left uninitialized, for buffers whose every value is written before it is read: a std::vector's zero
 // fill is a pass of its own (measurable at a decode step's few rows, and 1% of a long prompt's time for the rows
 // a bf16 matmul widens).
@@ -276,6 +272,10 @@ struct Array {
   T operator[](int64_t i) const { return values[i]; }
 };
 
+// Activation rows quantized to int8 per block of 32: q, the block's scale, and sum(q) per `sub` weights (the zero
+// point multiplies it, and with the block's scale the weights' shifts). quant.cpp. Rows lie in tiles of 8 (the last
+// one of what is left), a tile's n rows side by side (their values 4 at a time, their scales and sums one at a
+// time), so that the kernel reaches all of them through one pointer and fixed offsets; one row is laid out as itself.
 struct QuantizedRows {
   Array<int8_t> q;        // [tiles, in / 4, n, 4]
   Array<float> scale;     // [tiles, in / 32, n]
