@@ -15,6 +15,7 @@ from helpers import ServerThread
 
 from tokenmill import cli
 from tokenmill.bench import agree, client, report
+from tokenmill.bench.decode import random_prompts
 from tokenmill.bench.workloads import WORDS_PER_TOKEN, WorkloadParams, build, synthetic_text
 from tokenmill.config import ServerConfig, WeightPlan
 from tokenmill.loader import load_model
@@ -37,6 +38,15 @@ def bench(*argv: str) -> int:
 def run(url: str, endpoint: str = "chat", model: str | None = None, **params) -> dict:
     cfg = client.ClientConfig(url=url, model=model, endpoint=endpoint, ignore_eos=True, warmup=0)
     return asyncio.run(client.run(cfg, WorkloadParams(**params), progress=False))
+
+
+def test_the_engine_benchs_probes_never_share_a_prompts_first_block() -> None:
+    """--prefill's prompts and --long's (warm-ups included) must not begin alike: the prefix cache would serve one
+    from the other, and the long prompt's first token would be timed on a partly cached prompt."""
+    firsts = [tuple(p[:16]) for seed in range(4) for probe, count in (("prefill", 8), ("long", 1))
+              for p in random_prompts(49152, count, 1000, probe, seed)]
+    assert len(set(firsts)) == len(firsts) == 36
+    assert random_prompts(49152, 2, 50, "long", 1) == random_prompts(49152, 2, 50, "long", 1)
 
 
 def test_workloads_are_seeded_and_shaped() -> None:

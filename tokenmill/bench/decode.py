@@ -27,6 +27,7 @@ import asyncio
 import multiprocessing
 import statistics
 import time
+import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,10 +63,18 @@ async def _streams(engine: Engine, prompts: list[list[int]], tokens: int) -> flo
     return inside / (end - start)
 
 
+def random_prompts(vocab: int, count: int, length: int, probe: str, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` random token ids, drawn from a generator of this probe's and this seed's own: a
+    probe's prompts never begin as another probe's do, so the prefix cache serves none of them from another (drawn
+    from the same seed, --long's prompt began with --prefill's first one, 992 of its tokens a prefix hit)."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{probe}/{seed}".encode()))
+    return torch.randint(1000, vocab, (count, length), generator=generator).tolist()
+
+
 async def _prefill(engine: Engine, vocab: int, seed: int) -> float:
     """Prompt tok/s of 8 prompts of 1,000 random tokens sent at once, one output token each (other prompts each
     run: no prefix-cache hits)."""
-    prompts = torch.randint(1000, vocab, (8, 1000), generator=torch.Generator().manual_seed(seed)).tolist()
+    prompts = random_prompts(vocab, 8, 1000, "prefill", seed)
     streams = EngineClient(engine).submit(prompts, SamplingParams(max_tokens=1, temperature=0.0))
     started = time.perf_counter()
     for stream in streams:
@@ -78,7 +87,7 @@ async def _long(engine: Engine, length: int, tokens: int, seed: int) -> tuple[fl
     """One stream after a prompt of `length` random tokens (no prefix-cache hit): seconds to its first token, and
     the median milliseconds between the tokens that follow (each step's attention reads the whole context)."""
     vocab = engine.tokenizer.vocab_size
-    prompt = torch.randint(1000, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    (prompt,) = random_prompts(vocab, 1, length, "long", seed)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     (stream,) = EngineClient(engine).submit([prompt], params)
     started = time.perf_counter()
