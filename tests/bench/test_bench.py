@@ -11,10 +11,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from helpers import ServerThread
 
-from tokenmill import cli
+from tokenmill import cli, kernels
 from tokenmill.bench import agree, client, report
+from tokenmill.bench.attention import AttentionShape, step_time
 from tokenmill.bench.decode import random_prompts
 from tokenmill.bench.workloads import WORDS_PER_TOKEN, WorkloadParams, build, synthetic_text
 from tokenmill.config import ServerConfig, WeightPlan
@@ -47,6 +49,15 @@ def test_the_engine_benchs_probes_never_share_a_prompts_first_block() -> None:
               for p in random_prompts(49152, count, 1000, probe, seed)]
     assert len(set(firsts)) == len(firsts) == 36
     assert random_prompts(49152, 2, 50, "long", 1) == random_prompts(49152, 2, 50, "long", 1)
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+def test_the_attention_bench_times_a_step_and_counts_what_it_reads() -> None:
+    shape = AttentionShape(2, 40, layers=2, heads=4, kv_heads=2, dim=16, dtype=torch.float32)
+    # keys and values, sequences, keys each, KV heads, dim, bytes a number, layers
+    assert shape.kv_bytes() == 2 * 2 * 40 * 2 * 16 * 4 * 2
+    median, best = step_time(shape, 3)
+    assert 0 < best <= median
 
 
 def test_workloads_are_seeded_and_shaped() -> None:
