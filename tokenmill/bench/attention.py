@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import kernels
+from tokenmill import backend
 
 
 @dataclass
@@ -96,7 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not kernels.load():
+    if not backend.cpu_kernels(torch.device("cpu")):
         raise SystemExit("the C++ kernels do not build here: no paged decode attention to time")
     bandwidth = read_bandwidth(args.runs)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; the machine reads {bandwidth / 1e9:.1f} "
