@@ -601,12 +601,14 @@ void bf16_dot_tile(const QuantizedMatrix& w, int64_t g0, const uint32_t* x, int6
 constexpr int64_t kDotRows = 6;  // rows a bf16_dot_tile: 6 x 4 sums, 4 weight vectors and a pair in 32 registers
 static_assert(kDotRows <= kMaxSetRows, "over_group_sets' tile holds these rows");
 
-// out[rows, w.out] = bf16 rows (paired_rows) times bf16 weights: sets of 4 groups (2 where that leaves threads
-// idle) shared among the threads, rows in blocks as over_groups has them; sums as fp32 or rounded once to bf16.
+// out[rows, w.out] = bf16 rows (paired_rows) times bf16 weights: sets of 4 groups shared among the threads (2 where
+// few sets split unevenly: SmolLM2's 576 outputs made 9, one thread's 5 to the other's 4), rows in blocks as
+// over_groups has them; sums as fp32 or rounded once to bf16.
 template <typename TO>
 void bf16_dot_matmul(const uint32_t* x, int64_t rows, const QuantizedMatrix& w, TO* out) {
   const int64_t groups = (w.out + kLanes - 1) / kLanes;
-  const int64_t per = groups >= 16 * at::get_num_threads() ? 4 : 2;
+  const int64_t threads = at::get_num_threads(), sets = (groups + 3) / 4;
+  const int64_t per = sets % threads == 0 || sets >= 8 * threads ? 4 : 2;
   over_group_sets(rows, w.in * 2, kDotRows, per, w, out, [&](int64_t g0, int64_t gn, int64_t r0, int64_t n, auto t) {
     tokenmill::with_count<kDotRows>(n, [&](auto count) {
       tokenmill::with_count<4>(gn, [&](auto set) {
