@@ -66,6 +66,13 @@ void scores_of(const Chunk& c, int64_t head, const KV* k_cache, const KV* v_cach
   const int64_t vectors = c.dim / Vec::kLanes;
   const float* q = c.query + head * c.dim;
   const int64_t row_bytes = c.dim * static_cast<int64_t>(sizeof(KV));
+  if (head == 0 && c.span > row_bytes) {  // the first keys' other heads (span: below), which the loop fetches not
+    for (int64_t p = 0; p < std::min<int64_t>(16, c.n); ++p)
+      for (int64_t b = row_bytes; b < c.span; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(k_cache + c.rows[p]) + b, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(v_cache + c.rows[p]) + b, _MM_HINT_T1);
+      }
+  }
   for (int64_t i = 0; i < c.n; i += 4) {
     const KV* key[4];
     for (int p = 0; p < 4; ++p) key[p] = k_cache + c.rows[std::min(i + p, c.n - 1)];  // past n: repeats, unused
@@ -73,13 +80,6 @@ void scores_of(const Chunk& c, int64_t head, const KV* k_cache, const KV* v_cach
     // reads are strided, which the hardware prefetchers followed late (the pool is larger than the caches at long
     // contexts). The values' rows too, for values_of's pass. Where span covers every KV head's rows of a position
     // (decode's first head of a chunk), the next tasks' rows come with them: memory read densely, once.
-    if (head == 0 && i == 0 && c.span > row_bytes) {  // the first keys' other heads, which no fetch ahead covers
-      for (int64_t p = 0; p < std::min<int64_t>(16, c.n); ++p)
-        for (int64_t b = row_bytes; b < c.span; b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_cache + c.rows[p]) + b, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(v_cache + c.rows[p]) + b, _MM_HINT_T1);
-        }
-    }
     if (head == 0 && i + 16 < c.n) {
       for (int p = 0; p < 4; ++p) {
         const char* k = reinterpret_cast<const char*>(k_cache + c.rows[i + 16 + p]);
