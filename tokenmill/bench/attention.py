@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill import backend
+from tokenmill.bench.matmul import call_times
 
 
 @dataclass
@@ -38,13 +39,8 @@ class AttentionShape:
         return 2 * self.seqs * self.keys * self.kv_heads * self.dim * self.dtype.itemsize * self.layers
 
 
-def _median_and_best(call, runs: int) -> tuple[float, float]:
-    call()  # warm-up
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
+def _median_and_best(call: Callable[[], object], runs: int) -> tuple[float, float]:
+    times = call_times(call, runs)
     return statistics.median(times), min(times)
 
 

@@ -41,7 +41,7 @@ from tokenmill.layers.quantized import QuantizedLinear
 from tokenmill.loader import LoadedModel, load_model
 
 
-def _times(call: Callable[[], object], runs: int, repeat: int = 1) -> list[float]:
+def call_times(call: Callable[[], object], runs: int, repeat: int = 1) -> list[float]:
     call()  # warm-up: the caches, and the kernels' first-call set-up
     times = []
     for _ in range(runs):
@@ -81,7 +81,7 @@ def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: i
     times: dict[int, list[float]] = {count: [] for count in calls}
     for _ in range(runs):
         for count, call in calls.items():
-            times[count] += _times(call, 1, repeat=5)
+            times[count] += call_times(call, 1, repeat=5)
     print(f"\na decode step's forward, each row a sequence of {context} keys, alternated with one row's")
     print(f"{'rows':>5s} {'ms a step':>18s} {'x 1 row':>8s}")
     for count in counts:
@@ -121,7 +121,7 @@ def main() -> None:
             x = _rows(count, in_features)
             ops = 2 * count * in_features * out_features
             repeat = max(1, int(2e8 // ops))  # calls of a few ms or more, so the clock's and Python's cost is small
-            times = _times(lambda: m(x), args.runs, repeat)  # noqa: B023 (called here, in this iteration)
+            times = call_times(lambda: m(x), args.runs, repeat)  # noqa: B023 (called here, in this iteration)
             median, best = statistics.median(times), min(times)
             print(f"{name:40s} {m.weight.bits:4d} {in_features:6d} {out_features:7d} {count:5d} "
                   f"{median * 1e3:9.3f} ({best * 1e3:.3f}) {ops / median / 1e9:6.0f} ({ops / best / 1e9:.0f})")
@@ -137,7 +137,7 @@ def main() -> None:
             for m in layered:
                 m(inputs[m.weight.shape[1]])
 
-        times = _times(step, args.runs)
+        times = call_times(step, args.runs)
         median = statistics.median(times)
         if count == 1:
             one_row = median
