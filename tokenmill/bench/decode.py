@@ -11,8 +11,9 @@ Each run sends --streams requests at once (the stream counts taking turns, run b
 tokens greedily with ignore_eos. Decode speed is the tokens that arrive while every stream decodes, over that window
 (from the last stream's first token to the first stream's last), so prefill is not in it; with one stream,
 (tokens - 1) / (first token to last). --prefill also times 8 prompts of 1,000 tokens (one output token each).
---profile times the parts of 64 one-stream decode steps (schedule, the runner, sampling, update, emit; the GPU's
-time by CUDA events), then records 16 more with torch.profiler and prints the kernels a step and their time. Prints
+--profile times the parts of 64 decode steps at each --streams count (schedule, the runner, sampling, update, emit;
+the GPU's time by CUDA events), then records 16 more with torch.profiler and prints the kernels a step and their
+time. Prints
 the median and range over the runs, and the weights' bytes read per second (each step reads every weight once: the
 quantized weights, or their dense copies where a step of many rows runs on them) where there are runs. "x 1 row":
 a step of that many streams over a one-stream step, the median over the runs of each run against the one-stream
@@ -107,8 +108,8 @@ class _StepProbe:
     PARTS = (("schedule", "scheduler", "schedule"), ("run", "runner", "run"), ("sample", None, "sampler"),
              ("update", "scheduler", "update"), ("emit", "output", "emit"))
 
-    def __init__(self, engine: Engine, timed_steps: int, profiled_steps: int) -> None:
-        self.timed_steps, self.profiled_steps = timed_steps, profiled_steps
+    def __init__(self, engine: Engine, streams: int, timed_steps: int, profiled_steps: int) -> None:
+        self.streams, self.timed_steps, self.profiled_steps = streams, timed_steps, profiled_steps
         self.gpu = engine.runner.device.type == "cuda"
         self.steps = 0
         self.parts: dict[str, list[float]] = {name: [] for name, _, _ in self.PARTS}
@@ -172,7 +173,7 @@ class _StepProbe:
         def ms(xs: list[float]) -> float:
             return statistics.median(xs) * 1000 if xs else float("nan")
 
-        lines = [f"  {len(self.walls)} one-stream decode steps, ms a step (medians): "
+        lines = [f"  {len(self.walls)} decode steps of {self.streams} streams, ms a step (medians): "
                  + ", ".join(f"{name} {ms(times):.3f}" for name, times in self.parts.items())
                  + f"; the step {ms(self.walls):.3f}, step to step {ms(self.cycles):.3f}"]
         if self.events:
@@ -193,11 +194,12 @@ class _StepProbe:
         return "\n".join(lines)
 
 
-def _profile(engine: Engine, prompt_ids: list[int], timed_steps: int = 64, profiled_steps: int = 16) -> str:
-    """One stream's decode steps: their parts' wall time and GPU time, then the kernels a step (_StepProbe)."""
-    probe = _StepProbe(engine, timed_steps, profiled_steps)
+def _profile(engine: Engine, prompt_ids: list[int], streams: int, timed_steps: int = 64,
+             profiled_steps: int = 16) -> str:
+    """Decode steps of `streams` streams: their parts' wall time and GPU time, then the kernels a step (_StepProbe)."""
+    probe = _StepProbe(engine, streams, timed_steps, profiled_steps)
     try:
-        asyncio.run(_streams(engine, [prompt_ids], timed_steps + profiled_steps + 8))
+        asyncio.run(_streams(engine, [prompt_ids] * streams, timed_steps + profiled_steps + 8))
     finally:
         probe.restore()
     return probe.report()
@@ -206,7 +208,7 @@ def _profile(engine: Engine, prompt_ids: list[int], timed_steps: int = 64, profi
 @dataclass(frozen=True)
 class Timing:
     """What one configuration's process measures: decode at each stream count (tokens a stream, runs of each),
-    prompt speed, a profile of one-stream steps."""
+    prompt speed, a profile of the decode steps at each stream count."""
 
     tokens: int
     runs: int
@@ -257,7 +259,7 @@ def measure(config: EngineConfig, timing: Timing) -> dict:
             asyncio.run(_long(engine, timing.long, 8, runs))  # warm-up
             result["long"] = [asyncio.run(_long(engine, timing.long, tokens, seed)) for seed in range(runs)]
         if timing.profile:
-            result["profile"] = _profile(engine, prompt_ids)
+            result["profile"] = "\n".join(_profile(engine, prompt_ids, n) for n in streams)
         return result
     finally:
         engine.stop()
@@ -277,7 +279,8 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="also time 8 prompts of 1,000 tokens")
     parser.add_argument("--long", type=int, default=0, metavar="N",
                         help="also time one stream after an N-token prompt: its first token (s) and ms a token")
-    parser.add_argument("--profile", action="store_true", help="profile one-stream decode steps (kernels: CUDA)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile decode steps at each stream count (kernels: CUDA)")
     parser.add_argument("--row-matmul", choices=["on", "off", "both"], default="on",
                         help="CUDA: one-row projections through tokenmill's row_matmul kernel, the norms and SwiGLU "
                              "fused in (off: cuBLAS; both: each, in its own process)")
