@@ -113,7 +113,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
               "chat_template"),
     "several models": ("models_file", "max_memory", "keep_alive", "model_load_timeout"),
     "scheduling and KV memory": ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_queued_requests",
-                                 "kv_cache_dtype", "fair_share", "seed", "deterministic"),
+                                 "kv_cache_dtype", "fair_share", "shared_step_ms", "seed",
+                                 "deterministic"),
     "LoRA adapters": ("lora", "enable_lora", "max_loras", "max_lora_rank"),
     "tensor parallelism": ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"),
     "speculative decoding": ("speculative", "draft_model", "num_speculative_tokens", "prompt_lookup_min",
@@ -171,6 +172,12 @@ class EngineConfig:
     fair_share: bool = option(True, "with tenants (--api-keys): admit and preempt by the tokens each tenant was "
                                     "served recently against its weight, so no tenant's burst starves another "
                                     "(off: first come, first served)")
+    shared_step_ms: float = option(0.0, "with the fair share, while two or more tenants were served recently: "
+                                        "a step decodes only as many sequences as fit in about this many "
+                                        "milliseconds (by the measured time of a decode), the least served "
+                                        "tenants' first, so that a tenant's new request waits less for the step "
+                                        "in progress, at some of the busiest tenant's throughput (0: every "
+                                        "running sequence decodes every step)")
     seed: int = option(0, "seed of the sampler for requests that give none")
     chat_template: str | None = option(None, "a Jinja chat template file to use instead of the model's own")
     pooling: str = option("last", "/v1/embeddings: the prompt's final hidden states pooled as last (the last "
@@ -294,6 +301,8 @@ class EngineConfig:
         _check_counts(self, ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "threads",
                              "num_speculative_tokens", "tensor_parallel_size", "nnodes", "max_loras",
                              "max_lora_rank"))
+        if not 0 <= self.shared_step_ms < float("inf"):  # NaN too
+            raise ConfigError(f"--shared-step-ms {self.shared_step_ms}: 0 (off) or a positive number of ms")
         for entry in self.lora:
             name, _, path = entry.partition("=")
             if not name or not path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -283,3 +284,33 @@ def test_the_prefix_cache_is_shared_within_a_tenant_only(server: ServerThread) -
     assert cached("alice") == 0
     assert cached("bob") == 0  # alice's KV for the same prompt is not bob's to reuse
     assert cached("alice") > 0 and cached("bob") > 0  # each reuses its own
+
+
+def test_shared_steps_take_turns_and_every_answer_is_whole(tiny4k: LoadedModel, keys: Path) -> None:
+    """--shared-step-ms so short that one decode fits: while alice and bob share the engine, each step decodes one of
+    their sequences, in turns, and every stream still gets all its tokens."""
+    with ServerThread(tiny4k, MODEL, ServerConfig(api_keys=str(keys)), max_num_seqs=8,
+                      shared_step_ms=1e-6) as srv:
+        scheduler = srv.engine.scheduler
+        plans: list[tuple[int, int]] = []  # (decodes planned, sequences decoding) of each step
+        schedule = scheduler.schedule
+
+        def recorded():
+            plan = schedule()
+            plans.append((sum(item.seq.decoding for item in plan),
+                          sum(seq.decoding for seq in scheduler.running)))
+            return plan
+
+        scheduler.schedule = recorded
+
+        def stream(tenant: str, tokens: int) -> int:
+            chunks = sdk(srv, tenant).chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=tokens, stream=True, extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True})
+            return [chunk.usage.completion_tokens for chunk in chunks if chunk.usage][-1]
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(stream, "alice", 24) for _ in range(3)] + [pool.submit(stream, "bob", 24)]
+            assert [answer.result() for answer in answers] == [24] * 4
+    assert scheduler.decode_seconds is not None
+    assert any(planned == 1 and decoding > 1 for planned, decoding in plans)  # the others sat that step out

@@ -3,12 +3,13 @@ against their weight, the most served preempted first, and a tenant's quota endi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
-from tokenmill.config import EngineConfig
+from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.request import Owner, Sequence, Status
-from tokenmill.engine.scheduler import FAIR_SHARE_HALF_LIFE, Scheduler
+from tokenmill.engine.scheduler import DECODE_TIME_WEIGHT, FAIR_SHARE_HALF_LIFE, Scheduler
 from tokenmill.sampling import SamplingParams
 
 TINY = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
@@ -162,3 +163,79 @@ def test_owners_served_alike_share_their_steps() -> None:
     late = make(20, b)
     sched.add(late)
     assert late in step(sched) and len(sched.running) == 5  # b was served as much as a: no step of its own
+
+
+def shared_steps(decode_ms: float, **config) -> Scheduler:
+    """A scheduler whose decodes were timed at decode_ms each, keeping shared steps to 10 ms."""
+    sched = scheduler(max_num_seqs=16, shared_step_ms=10.0, **config)
+    sched.decode_seconds = decode_ms / 1000
+    return sched
+
+
+def test_while_tenants_share_a_step_decodes_what_fits_in_its_time_the_least_served_first() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = shared_steps(2.5)  # 4 decodes fit in 10 ms
+    a_seqs = [make(i, a) for i in range(10)]
+    for seq in a_seqs:
+        sched.add(seq)
+    for _ in range(3):
+        assert len(step(sched)) == 10  # a alone, never served b: every decode, every step
+    late = make(20, b)
+    sched.add(late)
+    assert step(sched) == [late]  # its prompt in a step of its own
+    runs = {seq.seq_id: 0 for seq in a_seqs}
+    for _ in range(10):
+        ran = step(sched)
+        assert len(ran) == 4 and late in ran  # b's decode every step, the least served
+        for seq in ran:
+            if seq is not late:
+                runs[seq.seq_id] += 1
+    assert sorted(runs.values()) == [3] * 10  # a's decodes in turns: 30 decodes, 3 each
+
+
+def test_a_tenant_served_recently_keeps_the_steps_short_between_its_requests() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = shared_steps(2.5)
+    for i in range(10):
+        sched.add(make(i, a))
+    first = make(20, b, max_tokens=2)
+    sched.add(first)
+    while first.status != Status.FINISHED:
+        step(sched)
+    assert not any(seq.owner is b for seq in (*sched.running, *sched.waiting))
+    assert len(step(sched)) == 4  # b has no request now, but was served lately: its next waits a short step
+
+
+def test_without_the_fair_share_or_a_time_every_decode_runs_every_step() -> None:
+    a, b = Owner("a"), Owner("b")
+    for sched in (shared_steps(2.5, fair_share=False), scheduler(max_num_seqs=16)):
+        for i in range(10):
+            sched.add(make(i, a))
+        sched.add(make(20, b))
+        step(sched)
+        sched.decode_seconds = 0.0025
+        assert [len(step(sched)) for _ in range(3)] == [11] * 3
+
+
+def test_a_decode_s_time_is_the_running_mean_of_decode_steps_alone() -> None:
+    sched = scheduler()
+    a = Owner("a")
+    seqs = [make(i, a) for i in range(2)]
+    for seq in seqs:
+        sched.add(seq)
+    plan = sched.schedule()  # the prompts
+    sched.time_decodes(plan, 1.0)
+    assert sched.decode_seconds is None  # a step with prompts in it is not a decode's time
+    sched.update(plan, [[5], [5]])
+    plan = sched.schedule()
+    sched.time_decodes(plan, 0.010)  # two decodes in 10 ms
+    assert sched.decode_seconds == pytest.approx(0.005)
+    sched.time_decodes(plan, 0.020)
+    assert sched.decode_seconds == pytest.approx(0.005 + DECODE_TIME_WEIGHT * (0.010 - 0.005))
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_a_shared_step_time_that_is_no_time_is_refused(value: float) -> None:
+    with pytest.raises(ConfigError, match="^--shared-step-ms .*: 0 \\(off\\) or a positive number of ms$"):
+        EngineConfig(shared_step_ms=value).check()
+    EngineConfig(shared_step_ms=25.0).check()

@@ -1,4 +1,5 @@
-"""The fair share between tenants, measured over HTTP on servers this command starts, with and without it:
+"""The fair share between tenants, measured over HTTP on servers this command starts, with and without it (and with
+--shared-step-ms, a third server with the fair share and steps kept that short while tenants share it):
 
 - burst: tenant A keeps --streams streams in flight while tenant B sends one request at a time; B's time to first
   token (p50, p90) against its value with the server to itself;
@@ -6,7 +7,8 @@
   each one's share of the tokens generated in that time, against the share its weight asks for (weights 1:1 and
   1:W, --weight).
 
-    python -m tokenmill.bench.tenants MODEL [--streams 48] [--backlog 64] [--seconds 30] [--weight 3] [-- FLAGS]
+    python -m tokenmill.bench.tenants MODEL [--streams 48] [--backlog 64] [--seconds 30] [--weight 3] \
+        [--shared-step-ms 25] [-- FLAGS]
 
 FLAGS go to `tokenmill serve` as they are (e.g. --dtype float32). Prints one table; --json writes the numbers.
 """
@@ -53,13 +55,12 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, model: str, keys: Path, fair: bool, flags: list[str], folder: Path) -> None:
+    def __init__(self, model: str, keys: Path, policy: list[str], flags: list[str], folder: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "tokenmill", "serve", model, "--port", str(self.port), "--api-keys",
-                   str(keys), "--fair-share" if fair else "--no-fair-share", "--responses-store", "off",
-                   "--log-level", "warning", *flags]
-        self.log = (folder / f"server-{'fair' if fair else 'fifo'}.log").open("w")
+                   str(keys), *policy, "--responses-store", "off", "--log-level", "warning", *flags]
+        self.log = (folder / f"server-{'-'.join(policy).strip('-')}.log").open("w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> _Server:
@@ -182,24 +183,32 @@ def main() -> None:
     parser.add_argument("--weight", type=float, default=3.0, help="tenant C's weight against A's 1 (default: 3)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="about this many (default: 64)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tenant B's answers (default: 32)")
+    parser.add_argument("--shared-step-ms", type=float, default=0.0, help="also a server with the fair share and "
+                        "--shared-step-ms this (default: 0, none)")
     parser.add_argument("--json", help="write the numbers here")
     parser.add_argument("flags", nargs="*", help="after --: flags for `tokenmill serve`")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="tokenmill-tenants-") as folder:
         keys = _keys_file(Path(folder), args.weight)
-        for fair in (True, False):
-            with _Server(args.model, keys, fair, args.flags, Path(folder)) as server:
+        policies = {"fair share": ["--fair-share"], "first come": ["--no-fair-share"]}
+        if args.shared_step_ms:
+            policies = {"fair share": ["--fair-share"],
+                        f"fair, {args.shared_step_ms:g} ms": ["--fair-share", "--shared-step-ms",
+                                                            f"{args.shared_step_ms:g}"],
+                        "first come": ["--no-fair-share"]}
+        for name, policy in policies.items():
+            with _Server(args.model, keys, policy, args.flags, Path(folder)) as server:
                 model = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer bench-a"}
                                   ).json()["data"][0]["id"]
-                results["fair share" if fair else "first come"] = asyncio.run(_measure(server.url, model, args))
+                results[name] = asyncio.run(_measure(server.url, model, args))
     w = args.weight
     print(f"tenants on {os.cpu_count()} CPUs: B alone, then beside A's {args.streams} streams; backlogs of "
           f"{args.backlog} streams each for {args.seconds:g} s")
-    print(f"{'':12} {'B alone p50/p90':>17} {'B in burst p50/p90':>20} {'p90 ratio':>9} {'share 1:1':>10} "
+    print(f"{'':14} {'B alone p50/p90':>17} {'B in burst p50/p90':>20} {'p90 ratio':>9} {'share 1:1':>10} "
           f"{'share 1:' + format(w, 'g'):>10}")
     for name, r in results.items():
-        print(f"{name:12} {r['alone_ttft_p50'] * 1000:7.0f}/{r['alone_ttft_p90'] * 1000:<6.0f}ms "
+        print(f"{name:14} {r['alone_ttft_p50'] * 1000:7.0f}/{r['alone_ttft_p90'] * 1000:<6.0f}ms "
               f"{r['burst_ttft_p50'] * 1000:9.0f}/{r['burst_ttft_p90'] * 1000:<6.0f}ms "
               f"{r['burst_ttft_p90'] / r['alone_ttft_p90']:8.2f}x {r['share_b_weight_1']:9.1%} "
               f"{r['share_c_weight_w']:9.1%}")

@@ -354,6 +354,7 @@ class Engine:
         if not plan:
             return
         sampled = [item.seq for item in plan if item.samples]
+        started = time.perf_counter()
         try:
             logits = self.runner.run(plan)
             tokens, logprobs = self._sample(logits, sampled, [item.draft for item in plan if item.samples])
@@ -368,6 +369,7 @@ class Engine:
             else:
                 self.scheduler.isolate([item.seq for item in plan])
             return
+        self.scheduler.time_decodes(plan, time.perf_counter() - started)
         self.scheduler.update(plan, tokens, self.output.finish_reason)
         self.output.emit(sampled, logprobs)
         for item in plan:

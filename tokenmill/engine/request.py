@@ -95,6 +95,7 @@ class Sequence:
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     arrival_time: float = 0.0  # perf_counter() at submit, for time to first token
     last_token_time: float = 0.0
+    decode_turn: int = 0  # the scheduler's count of decodes at its latest one: who goes first in a shared step
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache: the single measure of progress
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission

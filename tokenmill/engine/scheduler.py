@@ -18,6 +18,8 @@ from tokenmill.engine.request import Sequence, Status
 # The fair share weighs what each owner was served over about the last FAIR_SHARE_HALF_LIFE * 2 tokens the engine
 # ran: each token served halves the weight of what came before it over this many tokens.
 FAIR_SHARE_HALF_LIFE = 4096
+# The weight of a decode step's newest time in the running mean of a decode's time (shared_step_ms).
+DECODE_TIME_WEIGHT = 0.2
 
 
 @dataclass
@@ -105,6 +107,10 @@ class Scheduler:
         self.served: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self._newcomers: set[str] = set()  # owners of the sequences this step admits for the first time
+        self.decodes = 0  # decodes scheduled so far: each one's turn (Sequence.decode_turn)
+        # Seconds a decode costs in a step of decodes (the step's time over its rows, a running mean; None until a
+        # step was timed): how many decodes fit in config.shared_step_ms.
+        self.decode_seconds: float | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -127,20 +133,24 @@ class Scheduler:
         plan: list[ScheduledSequence] = []
         self._newcomers = set()
         # Admit only when nothing had to be preempted: memory is short this step.
-        if not self._schedule_running(plan, budget):
+        if not self._schedule_running(plan, budget, self._sitting_out()):
             self._admit_waiting(plan, budget)
         if c.fair_share and self._newcomers:
             plan = self._favour_newcomers(plan)
+        for seq in sorted((item.seq for item in plan if item.seq.decoding), key=lambda seq: seq.decode_turn):
+            self.decodes += 1
+            seq.decode_turn = self.decodes
         # Decodes (with their proposals) lead the flat batch: the runner and attention treat them as one group.
         plan.sort(key=lambda item: item.num_tokens > 1 and not item.draft)
         return plan
 
-    def _schedule_running(self, plan: list[ScheduledSequence], budget: _Budget) -> bool:
-        """Each running sequence's next tokens, preempting the newest while memory is short; True if any was."""
+    def _schedule_running(self, plan: list[ScheduledSequence], budget: _Budget, sitting_out: set[int]) -> bool:
+        """Each running sequence's next tokens (but the decodes sitting_out this step, by id), preempting the newest
+        while memory is short; True if any was."""
         preempted = False
         for seq in list(self.running):
-            if seq.status != Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status != Status.RUNNING or seq.seq_id in sitting_out:
+                continue  # preempted earlier in this loop, or sits this step out
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
@@ -152,6 +162,33 @@ class Scheduler:
                 if budget.tokens == 0:
                     break
         return preempted
+
+    def _sitting_out(self) -> set[int]:
+        """With shared_step_ms, while two or more owners were served recently (or have work): the decodes beyond
+        those that fit in that time, the least served owners' (against their weight) taken first and, within an
+        owner, whoever decoded longest ago, so that each takes its turn. A newcomer's request waits for the step in
+        progress, which this keeps short; the others' decodes then come less often than every step."""
+        c = self.config
+        if not (c.fair_share and c.shared_step_ms and self.decode_seconds):
+            return set()
+        decodes = [seq for seq in self.running if seq.decoding]
+        fit = max(1, int(c.shared_step_ms / 1000 / self.decode_seconds))
+        if len(decodes) <= fit:
+            return set()
+        owners = {seq.owner.name for seq in (*self.running, *self.waiting)}
+        owners |= {name for name, served in self.served.items() if served >= 1.0}
+        if len(owners) < 2:
+            return set()
+        decodes.sort(key=lambda seq: (self._served(seq.owner.name), seq.decode_turn))
+        return {seq.seq_id for seq in decodes[fit:]}
+
+    def time_decodes(self, plan: list[ScheduledSequence], seconds: float) -> None:
+        """The time a step took (model and sampling), counted into a decode's time where it ran decodes alone."""
+        if not plan or not all(item.seq.decoding for item in plan):
+            return
+        per = seconds / sum(item.num_tokens for item in plan)
+        old = self.decode_seconds
+        self.decode_seconds = per if old is None else old + DECODE_TIME_WEIGHT * (per - old)
 
     def _reserve_preempting(self, seq: Sequence, n: int) -> bool:
         """Room for seq's next n tokens, preempting the newest running sequence until it fits (or seq is itself
