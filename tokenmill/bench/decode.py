@@ -13,11 +13,10 @@ tokens greedily with ignore_eos. Decode speed is the tokens that arrive while ev
 (tokens - 1) / (first token to last). --prefill also times 8 prompts of 1,000 tokens (one output token each).
 --profile times the parts of 64 decode steps at each --streams count (schedule, the runner, sampling, update, emit;
 the GPU's time by CUDA events), then records 16 more with torch.profiler and prints the kernels a step and their
-time. Prints
-the median and range over the runs, and the weights' bytes read per second (each step reads every weight once: the
-quantized weights, or their dense copies where a step of many rows runs on them) where there are runs. "x 1 row":
-a step of that many streams over a one-stream step, the median over the runs of each run against the one-stream
-run beside it.
+time. Prints the median and range over the runs, and the weights' bytes read per second (each step reads every
+weight once: the quantized weights, or their dense copies where a step of many rows runs on them) where there are
+runs. "x 1 row": a step of that many streams over a one-stream step, the median over the runs of each run against
+the one-stream run beside it.
 --tensor-parallel-size: each size in its own run, --threads split among its ranks (their weights: rank 0's share).
 """
 

@@ -191,12 +191,11 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="tokenmill-tenants-") as folder:
         keys = _keys_file(Path(folder), args.weight)
-        policies = {"fair share": ["--fair-share"], "first come": ["--no-fair-share"]}
+        policies = {"fair share": ["--fair-share"]}
         if args.shared_step_ms:
-            policies = {"fair share": ["--fair-share"],
-                        f"fair, {args.shared_step_ms:g} ms": ["--fair-share", "--shared-step-ms",
-                                                            f"{args.shared_step_ms:g}"],
-                        "first come": ["--no-fair-share"]}
+            ms = f"{args.shared_step_ms:g}"
+            policies[f"fair, {ms} ms"] = ["--fair-share", "--shared-step-ms", ms]
+        policies["first come"] = ["--no-fair-share"]
         for name, policy in policies.items():
             with _Server(args.model, keys, policy, args.flags, Path(folder)) as server:
                 model = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer bench-a"}

@@ -137,9 +137,10 @@ class Scheduler:
             self._admit_waiting(plan, budget)
         if c.fair_share and self._newcomers:
             plan = self._favour_newcomers(plan)
-        for seq in sorted((item.seq for item in plan if item.seq.decoding), key=lambda seq: seq.decode_turn):
-            self.decodes += 1
-            seq.decode_turn = self.decodes
+        if c.fair_share and c.shared_step_ms:  # the turns _sitting_out keeps
+            for seq in sorted((item.seq for item in plan if item.seq.decoding), key=lambda seq: seq.decode_turn):
+                self.decodes += 1
+                seq.decode_turn = self.decodes
         # Decodes (with their proposals) lead the flat batch: the runner and attention treat them as one group.
         plan.sort(key=lambda item: item.num_tokens > 1 and not item.draft)
         return plan
