@@ -64,6 +64,20 @@ def tiles(device: torch.device) -> bool:
     return cpu_kernels(device) and kernels.has_tiles()
 
 
+def bf16_prefill_attention(device: torch.device, pair_choice: str = "auto", amx: bool = True) -> str:
+    """What bf16 prompt chunks multiply on in the CPU's prefill attention kernel: "tiles" (AMX) where the kernels
+    run on them and --amx-attention leaves them on, else "pairs" or "fp32" as bf16_pair_attention says."""
+    if amx and tiles(device):
+        _log_once("prefill attention in bf16: on AMX tiles (--no-amx-attention: bf16 pairs or fp32)")
+        return "tiles"
+    return "pairs" if bf16_pair_attention(pair_choice) else "fp32"
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.info(message)
+
+
 def bf16_pair_attention(choice: str = "auto") -> bool:
     """Whether bf16 prompt chunks attend on bf16 pairs (vdpbf16ps) in the CPU's prefill kernel, where it has them,
     rather than on fp32 tiles: on/off as --bf16-pair-attention says, and for auto whichever the CPU runs faster,

@@ -129,7 +129,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
                                        "block_size", "prefix_caching", "sliding_window_kv", "prepack_weights",
                                        "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
                                        "amx_from_rows", "bf16_kernels", "fused_decode_layers", "cpu_prefill_attention",
-                                       "bf16_pair_attention", "bf16_pair_matmul",
+                                       "amx_attention", "bf16_pair_attention", "bf16_pair_matmul",
                                        "tp_shared_memory", "freeze_gc", "enforce_eager",
                                        "gpu_row_matmul", "gpu_pdl"),
 }
@@ -215,6 +215,9 @@ class EngineConfig:
     cpu_prefill_attention: bool = option(True, "on CPU, prompt chunks attend through tokenmill's flash-attention "
                                                "kernel, straight from the paged KV pool (off: torch's SDPA over "
                                                "keys gathered from it, with a mask)")
+    amx_attention: bool = option(True, "on a CPU with AMX, bf16 prompt chunks attend on AMX tiles in tokenmill's "
+                                       "flash-attention kernel (off: on bf16 pairs or fp32, as "
+                                       "--bf16-pair-attention picks)")
     bf16_pair_attention: str = option("auto", "on CPU with AVX512-BF16, bf16 prompt chunks attend on bf16 pairs "
                                               "(vdpbf16ps) or on fp32 tiles: auto measures which runs faster at "
                                               "start", ("auto", "on", "off"))

@@ -154,7 +154,8 @@ def test_the_prefill_kernel_attends_each_row_to_its_keys(heads: int, kv_heads: i
     before it, scattered blocks, garbage past the last key), causal and with a sliding window, against each row as
     a float64 reference over the keys it sees: chunks within one tile of rows and across several, key tiles cut by
     the diagonal and the window, head dims the vector path takes (64, 128, 256, 48 on AVX2) and one it leaves to
-    the decode kernel's loops (40); bf16 on bf16 pairs (where the CPU has them) and on fp32 tiles."""
+    the decode kernel's loops (40); bf16 on AMX tiles and on bf16 pairs (each where the CPU has them; else the path
+    below) and on fp32 tiles."""
     torch.manual_seed(5)
     block = 16
     width = -(-(start + n) // block) + 1
@@ -171,12 +172,37 @@ def test_the_prefill_kernel_attends_each_row_to_its_keys(heads: int, kv_heads: i
     out = torch.ops.tokenmill.paged_prefill_attention(q, pool_k, pool_v, table, start, dim**-0.5, window)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert (out.double() - expected).abs().max().item() < 1e-5
-    for dtype, pairs in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, False)):
+    for dtype, pairs, tiles in ((torch.bfloat16, False, True), (torch.bfloat16, True, False),
+                                (torch.bfloat16, False, False), (torch.float16, False, False)):
         out = torch.ops.tokenmill.paged_prefill_attention(q.to(dtype), pool_k.to(dtype), pool_v.to(dtype), table,
-                                                          start, dim**-0.5, window, pairs)
+                                                          start, dim**-0.5, window, pairs, tiles)
         low = reference(q.to(dtype), keys.to(dtype).expand(n, -1, -1, -1), values.to(dtype).expand(n, -1, -1, -1),
                         lengths, dim**-0.5, window)
-        assert (out.double() - low).abs().max().item() < TOLERANCE[dtype] / (1 if pairs else 4)
+        assert (out.double() - low).abs().max().item() < TOLERANCE[dtype] / (1 if pairs or tiles else 4)
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize(("pairs", "tiles"), [(False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("window", [0, 300])
+def test_the_prefill_kernel_follows_scores_that_rise_far_from_tile_to_tile(pairs: bool, tiles: bool,
+                                                                          window: int) -> None:
+    """Keys whose scores grow by far from one key tile to the next (the softmax's running max must move: on AMX
+    tiles it moves only past a margin, and then the values so far shrink), in bf16 against the float64 reference,
+    and rows whose every score is far below a later row's."""
+    torch.manual_seed(11)
+    heads, kv_heads, dim, block, n = 4, 2, 64, 16, 400
+    growth = torch.linspace(0.1, 8.0, n)[:, None, None]  # a key's scale, by position
+    keys = (torch.randn(n, kv_heads, dim) * growth).bfloat16()
+    values = torch.randn(n, kv_heads, dim).bfloat16()
+    table = torch.randperm(n // block) + 1
+    pool_k = torch.zeros(n // block + 1, block, kv_heads, dim, dtype=torch.bfloat16)
+    pool_v = torch.zeros_like(pool_k)
+    pool_k[table], pool_v[table] = keys.view(-1, block, kv_heads, dim), values.view(-1, block, kv_heads, dim)
+    q = torch.randn(n, heads, dim).bfloat16()
+    out = torch.ops.tokenmill.paged_prefill_attention(q, pool_k, pool_v, table, 0, dim**-0.5, window, pairs, tiles)
+    expected = reference(q, keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), list(range(1, n + 1)),
+                         dim**-0.5, window)
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")

@@ -89,3 +89,15 @@ def test_bf16_pairs_are_chosen_by_a_measurement_unless_named(
         assert f"{what} in bf16: on {chose} (on bf16 pairs {pairs * 1e3:.2f} ms, on fp32 {fp32 * 1e3:.2f} ms" \
             in caplog.text
     measured.cache_clear()
+
+
+def test_bf16_prefill_attention_takes_amx_tiles_where_the_kernels_run_on_them_unless_turned_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(backend, "tiles", lambda device: True)
+    assert backend.bf16_prefill_attention(cpu, "on") == "tiles"
+    assert backend.bf16_prefill_attention(cpu, "on", amx=False) == "pairs"
+    assert backend.bf16_prefill_attention(cpu, "off", amx=False) == "fp32"
+    monkeypatch.setattr(backend, "tiles", lambda device: False)
+    assert backend.bf16_prefill_attention(cpu, "on") == "pairs"
+    assert backend.bf16_prefill_attention(cpu, "off") == "fp32"

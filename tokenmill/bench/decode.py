@@ -299,6 +299,9 @@ def main() -> None:
                              "oneDNN's matmuls; both: each, in its own process)")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
                         help="the KV cache's dtypes, each in its own run")
+    parser.add_argument("--amx-attention", choices=["on", "off", "both"], default="on",
+                        help="CPU with AMX, bf16: prompt chunks' attention on AMX tiles (off: --no-amx-attention, as "
+                             "--bf16-pair-attention picks; both: each, in its own process)")
     parser.add_argument("--bf16-pair-attention", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                         help="CPU, bf16: prompt chunks' attention on bf16 pairs or fp32 tiles, each in its own run")
     parser.add_argument("--bf16-pair-matmul", nargs="+", default=["auto"], choices=["auto", "on", "off"],
@@ -311,7 +314,8 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads")
-    print(f"{'dtype':<10} {'kv':<8} {'pairs':<5} {'mm pairs':<8} {'tp':<3} {'fused':<6} {'quant':<6} {'bf16k':<6} "
+    print(f"{'dtype':<10} {'kv':<8} {'amx':<4} {'pairs':<5} {'mm pairs':<8} {'tp':<3} {'fused':<6} {'quant':<6} "
+          f"{'bf16k':<6} "
           f"{'graphs':<7} "
           f"{'row mm':<8} {'pdl':<4} {'gc':<4} "
           f"{'streams':>7} "
@@ -321,20 +325,22 @@ def main() -> None:
     timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads,
                     args.long)
     both = {"on": [True], "off": [False], "both": [False, True]}
-    runs = [(d, q, g, r, p, k, tp, f, kv, pairs, mm, z) for d in args.dtype for q in both[args.quantized]
+    runs = [(d, q, g, r, p, k, tp, f, kv, amx, pairs, mm, z) for d in args.dtype for q in both[args.quantized]
             for g in both[args.graphs] for r in both[args.row_matmul] for p in both[args.pdl]
             for k in both[args.bf16_kernels]
             for tp in args.tensor_parallel_size for f in both[args.fused_decode] for kv in args.kv_cache_dtype
-            for pairs in args.bf16_pair_attention for mm in args.bf16_pair_matmul for z in both[args.freeze_gc]]
-    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused, kv, pairs, mm, freeze in runs:
+            for amx in both[args.amx_attention] for pairs in args.bf16_pair_attention for mm in args.bf16_pair_matmul
+            for z in both[args.freeze_gc]]
+    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused, kv, amx, pairs, mm, freeze in runs:
         config = EngineConfig(model=args.model, dtype=dtype, device=args.device, quantized_weights=quantized,
                               max_num_seqs=max(args.streams), enforce_eager=not graphs, gpu_row_matmul=row,
                               gpu_pdl=pdl, bf16_kernels=bf16_kernels, tensor_parallel_size=tp,
-                              fused_decode_layers=fused, kv_cache_dtype=kv, bf16_pair_attention=pairs,
+                              fused_decode_layers=fused, kv_cache_dtype=kv, amx_attention=amx,
+                              bf16_pair_attention=pairs,
                               bf16_pair_matmul=mm, freeze_gc=freeze,
                               threads=max(1, threads // tp) if tp > 1 else args.threads)
         result = _in_fresh_process(spawn, config, replace(timing, threads=None) if tp > 1 else timing)
-        mode = (f"{kv:<8} {pairs:<5} {mm:<8} {tp:<3} {'on' if fused else 'off':<6} "
+        mode = (f"{kv:<8} {'on' if amx else 'off':<4} {pairs:<5} {mm:<8} {tp:<3} {'on' if fused else 'off':<6} "
                 f"{'on' if result['quantized'] else 'off':<6} "
                 f"{'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
@@ -362,7 +368,7 @@ def main() -> None:
                   f"{statistics.median(first):.2f} s ({min(first):.2f}-{max(first):.2f}), then "
                   f"{statistics.median(per_token):.2f} ms a token ({min(per_token):.2f}-{max(per_token):.2f})")
         if "profile" in result:
-            print(f"profile, {dtype}, kv, pairs, tp, fused, quantized, bf16 kernels, graphs, row matmul and PDL "
+            print(f"profile, {dtype}, kv, amx, pairs, tp, fused, quantized, bf16 kernels, graphs, row matmul and PDL "
                   f"{' '.join(mode.split())}:\n"
                   f"{result['profile']}")
 

@@ -101,8 +101,9 @@ class AttentionPaths:
     per_row: bool = False
     # Prompt chunks attend through the CPU's prefill kernel where it runs (off: torch's SDPA) ...
     prefill_kernel: bool = True
-    # ... which multiplies a bf16 pool's keys and values as bf16 pairs (backend.bf16_pair_attention).
-    prefill_pairs: bool = False
+    # ... which multiplies a bf16 pool's keys and values on "fp32", bf16 "pairs" or AMX "tiles"
+    # (backend.bf16_prefill_attention).
+    prefill_on: str = "fp32"
 
 
 class PagedKVCache:

@@ -60,7 +60,7 @@ def _view(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice], decodes:
         prefills=[] if batch else [(s, torch.tensor(pool.tables[s.seq_id], device=device)) for s in chunks],
         prefill_batch=batch, row_tables=None if row_lengths is None else _row_tables(cache, pool, slices),
         row_lengths=row_lengths, prefill_kernel=prefill_kernel,
-        prefill_pairs=cache.paths.prefill_pairs)
+        prefill_on=cache.paths.prefill_on)
 
 
 def _slots(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice]) -> torch.Tensor:

@@ -49,7 +49,7 @@ def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max
         num_blocks, sliding_blocks = map(agree, _paged_blocks(config, spec, budget, max_model_len))
         if num_blocks < 1:
             raise ConfigError(f"KV memory of {budget} bytes holds no block of {config.block_size} tokens")
-        paths = AttentionPaths(config.deterministic, config.cpu_prefill_attention, prefill_pairs(config, spec, device))
+        paths = AttentionPaths(config.deterministic, config.cpu_prefill_attention, prefill_on(config, spec, device))
         cache = PagedKVCache(spec, device, num_blocks, config.block_size, config.prefix_caching, sliding_blocks, paths)
     else:  # contiguous (EngineConfig.check() refuses other layouts, and deterministic mode with this one)
         if config.prefix_caching:
@@ -71,10 +71,11 @@ def build_kv_cache(config: EngineConfig, spec: KVSpec, device: torch.device, max
     return cache
 
 
-def prefill_pairs(config: EngineConfig, spec: KVSpec, device: torch.device) -> bool:
-    """Whether a pool of spec's attends its prompt chunks on bf16 pairs (PagedKVCache's prefill_pairs)."""
-    return (spec.dtype == torch.bfloat16 and config.cpu_prefill_attention and backend.cpu_kernels(device)
-            and backend.bf16_pair_attention(config.bf16_pair_attention))
+def prefill_on(config: EngineConfig, spec: KVSpec, device: torch.device) -> str:
+    """What a pool of spec's prompt chunks multiply on in the CPU's prefill kernel (AttentionPaths.prefill_on)."""
+    if not (spec.dtype == torch.bfloat16 and config.cpu_prefill_attention and backend.cpu_kernels(device)):
+        return "fp32"
+    return backend.bf16_prefill_attention(device, config.bf16_pair_attention, config.amx_attention)
 
 
 def _paged_blocks(config: EngineConfig, spec: KVSpec, budget: int, max_model_len: int) -> tuple[int, int]:

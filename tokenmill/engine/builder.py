@@ -12,7 +12,7 @@ import torch
 
 from tokenmill import backend
 from tokenmill.cache.kv_cache import AttentionPaths, KVCache, KVSpec, PagedKVCache
-from tokenmill.cache.sizing import build_kv_cache, prefill_pairs
+from tokenmill.cache.sizing import build_kv_cache, prefill_on
 from tokenmill.config import EngineConfig
 from tokenmill.engine.draft import DraftModelProposer
 from tokenmill.engine.graphs import DecodeGraphs
@@ -179,7 +179,7 @@ def draft_proposer(config: EngineConfig, target: LoadedModel, kv_cache: KVCache,
     tokens = min(kv_cache.capacity_tokens, c.speculative_max_seqs * max_model_len)
     num_blocks = -(-tokens // c.block_size) + c.speculative_max_seqs * -(-c.num_speculative_tokens // c.block_size)
     cache = PagedKVCache(spec, draft.device, num_blocks, c.block_size,
-                         paths=AttentionPaths(prefill_pairs=prefill_pairs(c, spec, draft.device)))
+                         paths=AttentionPaths(prefill_on=prefill_on(c, spec, draft.device)))
     log.info("draft model %s: its KV pool %.2f GiB for %d tokens", draft.path.name,
              num_blocks * c.block_size * spec.bytes_per_token / 2**30, num_blocks * c.block_size)
     return DraftModelProposer(draft, cache, target.tokenizer.vocab_size)

@@ -366,6 +366,20 @@ QuantizedMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& sc
 void quantized_matmul(const float* x, int64_t rows, const QuantizedMatrix& w, float* out, int64_t tiles_from_rows = 0,
                       bool bf16_rows = false, bool pairs = true);
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENMILL_AMX 1
+// The tile registers as tiles.cpp and attention_prefill.cpp use them: all 8 of 16 rows of 64 bytes (a bf16 A or B
+// tile of 16 x 32, an fp32 C tile of 16 x 16). A thread loads it before its first tile instruction.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+#endif
+
 // tiles.cpp: whether this build and process can run AMX tiles (the CPU has them, the kernel grants their state);
 // the matmul above on them, weights and activations rounded to bf16, fp32 sums; x and out fp32, or both bf16 (a bf16
 // model's rows, neither converted to fp32 and back).

@@ -27,9 +27,7 @@
 
 #include "cpu.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define TOKENMILL_AMX 1
-#include <immintrin.h>
+#if defined(TOKENMILL_AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -42,15 +40,8 @@ constexpr int64_t kLanes = tokenmill::kInterleave;  // output rows of a group: o
 constexpr int64_t kTile = 16;    // activation rows of an A or C tile
 constexpr int64_t kTileBytes = kTile * 64;
 
-// Tile registers: C 0..3 (activation tile m, group n at 2m + n), A 4..5, B 6..7; every tile 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = kTile;
-  }
-};
+// Tile registers (cpu.h's TileConfig): C 0..3 (activation tile m, group n at 2m + n), A 4..5, B 6..7.
+using tokenmill::TileConfig;
 
 // Tile row `row` = bf16(scale * q + offset) of E (the pairs' first weights) and O (their second ones) of the 16
 // output rows, as int32 lanes; a lane's two bf16 values side by side.

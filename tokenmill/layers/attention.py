@@ -65,9 +65,9 @@ class PagedMetadata:
     row_lengths: torch.Tensor | None = None
     prefill_batch: PrefillBatch | None = None
     # The prefills (a table each) attend through the CPU's flash-attention kernel (kernels/attention_prefill.cpp),
-    # a bf16 pool's on bf16 pairs where prefill_pairs (backend.bf16_pair_attention).
+    # a bf16 pool's on what prefill_on says ("fp32", "pairs" or "tiles": backend.bf16_prefill_attention).
     prefill_kernel: bool = False
-    prefill_pairs: bool = False
+    prefill_on: str = "fp32"
     # Sliding-window layers in a pool of their own (cache/kv_cache.py): the step over that pool (its tensors, slots
     # and tables; the same rows), and each layer's pool (True: the sliding one) and index among its layers.
     sliding: PagedMetadata | None = None
@@ -204,7 +204,8 @@ def _attend_paged(layer: int, q: torch.Tensor, meta: PagedMetadata, scale: float
     for s, table in meta.prefills:
         if meta.prefill_kernel:
             out[row:row + s.num_tokens] = torch.ops.tokenmill.paged_prefill_attention(
-                q[row:row + s.num_tokens], k_cache, v_cache, table, s.start, scale, window, meta.prefill_pairs)
+                q[row:row + s.num_tokens], k_cache, v_cache, table, s.start, scale, window,
+                meta.prefill_on == "pairs", meta.prefill_on == "tiles")
             row += s.num_tokens
             continue
         end = s.start + s.num_tokens
