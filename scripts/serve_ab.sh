@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Side by side over HTTP, in interleaved rounds: tokenmill (default), tokenmill --no-quantized-weights,
-# tokenmill --amx-from-rows 0 (no-tiles), tokenmill without its C++ kernels (TOKENMILL_NO_KERNELS=1), tokenmill
-# --no-sliding-window-kv (one-pool: a sliding-window model's every layer in one KV pool), llama-server;
+# tokenmill --amx-from-rows 0 (no-tiles), tokenmill --no-amx-attention, tokenmill without its C++ kernels
+# (TOKENMILL_NO_KERNELS=1), tokenmill --no-sliding-window-kv (one-pool: a sliding-window model's every layer in one
+# KV pool), llama-server;
 # one server at a time, 2 threads each.
 #   LLAMA_SERVER=path/to/llama-server [SERVERS="tokenmill fp32 llama-server"] \
 #     bash scripts/serve_ab.sh [GGUF] [ROUNDS] [OUT]
@@ -33,6 +34,7 @@ start() {
     fp32) exec $TM serve "$GGUF" --port $PORT --threads 2 --dtype float32 ;;
     dequantized) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-quantized-weights ;;
     no-tiles) exec $TM serve "$GGUF" --port $PORT --threads 2 --amx-from-rows 0 ;;
+    no-amx-attention) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-amx-attention ;;
     no-kernels) TOKENMILL_NO_KERNELS=1 exec $TM serve "$GGUF" --port $PORT --threads 2 ;;
     one-pool) exec $TM serve "$GGUF" --port $PORT --threads 2 --no-sliding-window-kv ;;
     llama-server) exec $LS -m "$GGUF" -t 2 -np 32 -c 65536 -kvu --host 127.0.0.1 --port $PORT ;;

@@ -179,58 +179,64 @@ inline __m512i bf16_lanes(__m512 v) { return _mm512_cvtepu16_epi32((__m256i)_mm5
 // pairs use: scores^T = the key rows (A) x query_pairs (B), out^T += values^T (A) x weight_pairs (B). C tiles go 2 x 2
 // (tiles 0..3: C[2a + b] of A a and B b), A tiles 4..5, B tiles 6..7, so each tile loaded feeds two products.
 
+// A step of the 2 x 2 products: A tiles at a0 and a1 (16 rows each, a_stride bytes apart), B tiles at b and 16
+// lanes on (b_stride bytes a row).
+inline void products_2x2(const void* a0, const void* a1, int64_t a_stride, const uint32_t* b, int64_t b_stride) {
+  _tile_loadd(4, a0, a_stride);
+  _tile_loadd(5, a1, a_stride);
+  _tile_loadd(6, b, b_stride);
+  _tile_loadd(7, b + 16, b_stride);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// The C tiles of c[32 rows, 32 lanes] (a row `lanes` floats long): stored there, or loaded from there (kLoad).
+template <bool kLoad>
+inline void sums_2x2(float* c, int64_t lanes) {
+  const int64_t stride = lanes * 4, below = 16 * lanes;
+  if constexpr (kLoad) {
+    _tile_loadd(0, c, stride);
+    _tile_loadd(1, c + 16, stride);
+    _tile_loadd(2, c + below, stride);
+    _tile_loadd(3, c + below + 16, stride);
+  } else {
+    _tile_stored(0, c, stride);
+    _tile_stored(1, c + 16, stride);
+    _tile_stored(2, c + below, stride);
+    _tile_stored(3, c + below + 16, stride);
+  }
+}
+
 // scores[keys, lanes] (unscaled) of the key tile's first `keys` rows (key_pairs; a multiple of 32) and the queries.
 void tile_scores(Scratch& w, int64_t keys, int64_t dim) {
-  const int64_t pairs = dim / 2, lanes = w.lanes, b_stride = lanes * 4;
-  float* s = w.scores.data();
+  const int64_t pairs = dim / 2, lanes = w.lanes;
   for (int64_t j = 0; j < keys; j += 32)
     for (int64_t m = 0; m < lanes; m += 32) {
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int64_t d = 0; d < pairs; d += 16) {  // 16 pairs of dims a step
-        _tile_loadd(4, w.key_pairs.data() + j * pairs + d, dim * 2);
-        _tile_loadd(5, w.key_pairs.data() + (j + 16) * pairs + d, dim * 2);
-        _tile_loadd(6, w.query_pairs.data() + d * lanes + m, b_stride);
-        _tile_loadd(7, w.query_pairs.data() + d * lanes + m + 16, b_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, s + j * lanes + m, b_stride);
-      _tile_stored(1, s + j * lanes + m + 16, b_stride);
-      _tile_stored(2, s + (j + 16) * lanes + m, b_stride);
-      _tile_stored(3, s + (j + 16) * lanes + m + 16, b_stride);
+      for (int64_t d = 0; d < pairs; d += 16)  // 16 pairs of dims a step
+        products_2x2(w.key_pairs.data() + j * pairs + d, w.key_pairs.data() + (j + 16) * pairs + d, dim * 2,
+                     w.query_pairs.data() + d * lanes + m, lanes * 4);
+      sums_2x2<false>(w.scores.data() + j * lanes + m, lanes);
     }
 }
 
 // out[dim, lanes] += values_t[dim, keys] x weight_pairs[keys / 2, lanes] (keys a multiple of 32).
 void tile_values(Scratch& w, int64_t keys, int64_t dim) {
-  const int64_t lanes = w.lanes, b_stride = lanes * 4;
-  float* o = w.out.data();
+  const int64_t lanes = w.lanes;
   const uint16_t* vt = w.values_t.data();
   for (int64_t d = 0; d < dim; d += 32)
     for (int64_t m = 0; m < lanes; m += 32) {
-      _tile_loadd(0, o + d * lanes + m, b_stride);
-      _tile_loadd(1, o + d * lanes + m + 16, b_stride);
-      _tile_loadd(2, o + (d + 16) * lanes + m, b_stride);
-      _tile_loadd(3, o + (d + 16) * lanes + m + 16, b_stride);
-      for (int64_t j = 0; j < keys; j += 32) {
-        _tile_loadd(4, vt + d * kTileKeys + j, kTileKeys * 2);
-        _tile_loadd(5, vt + (d + 16) * kTileKeys + j, kTileKeys * 2);
-        _tile_loadd(6, w.weight_pairs.data() + (j / 2) * lanes + m, b_stride);
-        _tile_loadd(7, w.weight_pairs.data() + (j / 2) * lanes + m + 16, b_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, o + d * lanes + m, b_stride);
-      _tile_stored(1, o + d * lanes + m + 16, b_stride);
-      _tile_stored(2, o + (d + 16) * lanes + m, b_stride);
-      _tile_stored(3, o + (d + 16) * lanes + m + 16, b_stride);
+      float* out = w.out.data() + d * lanes + m;
+      sums_2x2<true>(out, lanes);
+      for (int64_t j = 0; j < keys; j += 32)
+        products_2x2(vt + d * kTileKeys + j, vt + (d + 16) * kTileKeys + j, kTileKeys * 2,
+                     w.weight_pairs.data() + (j / 2) * lanes + m, lanes * 4);
+      sums_2x2<false>(out, lanes);
     }
 }
 
