@@ -249,9 +249,6 @@ constexpr float kLazyRise = 8.f;
 // (then the values so far shrink by w.shrink).
 bool tile_softmax(Scratch& w, int64_t keys, int64_t padded, float scale) {
   const F factor = Vec::set1(scale), ninf = Vec::set1(-std::numeric_limits<float>::infinity());
-  // words 2i and 2i + 1: lane i of the first key's weights and of the second's (cvtne2ps puts them 16 apart)
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const auto weight = [&](int64_t j, int64_t at, F now) {
     return j < keys ? Vec::exp_or_zero(Vec::mul(Vec::load(w.scores.data() + j * w.lanes + at), factor), now)
                     : Vec::zero();
@@ -272,8 +269,7 @@ bool tile_softmax(Scratch& w, int64_t keys, int64_t padded, float scale) {
     for (int64_t j = 0; j < padded; j += 2) {
       const F first = weight(j, at, now), second = weight(j + 1, at, now);
       sum = Vec::add(sum, Vec::add(first, second));
-      const __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first));
-      _mm512_storeu_si512(w.weight_pairs.data() + j / 2 * w.lanes + at, _mm512_permutexvar_epi16(interleave, words));
+      _mm512_storeu_si512(w.weight_pairs.data() + j / 2 * w.lanes + at, tokenmill::bf16_pairs(first, second));
     }
     const F shrink = Vec::rescale(old, now);
     Vec::store(w.max.data() + at, now);
@@ -300,7 +296,8 @@ inline void transpose16(__m512i (&r)[16]) {
     r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
   }
   for (int e = 0; e < 4; ++e) {  // column 4L + e: lane L of r[e], r[4 + e], r[8 + e], r[12 + e]
-    const __m512i low_ab = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), high_ab = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+    const __m512i low_ab = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44);
+    const __m512i high_ab = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
     const __m512i low_cd = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
     const __m512i high_cd = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
     t[e] = _mm512_shuffle_i32x4(low_ab, low_cd, 0x88);
@@ -401,20 +398,20 @@ void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, 
       const int64_t p = k0 + j;
       return ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
     };
-    if constexpr (kTiles) {
-#if defined(TOKENMILL_AMX)
+    if constexpr (kPairs || kTiles) {  // the keys' rows as they are, zeros past the last
       for (int64_t j = 0; j < keys; ++j)
         std::memcpy(w.key_pairs.data() + j * (dim / 2), k_cache + row_of(j), dim * sizeof(KV));
-      std::fill(w.key_pairs.begin() + keys * (dim / 2), w.key_pairs.begin() + padded_32 * (dim / 2), 0u);
+      std::fill(w.key_pairs.begin() + keys * (dim / 2), w.key_pairs.begin() + (kTiles ? padded_32 : padded) * (dim / 2),
+                0u);
+    }
+    if constexpr (kTiles) {
+#if defined(TOKENMILL_AMX)
       transpose_values(w, v_cache, row_of, keys, padded_32, dim);
       tile_scores(w, padded_32, dim);
 #endif
     } else if constexpr (kPairs) {
 #if defined(TOKENMILL_DPBF16_ATTENTION)
-      // the keys' rows as they are; the values' dims paired across keys 2j and 2j + 1 (a last odd key's partner 0)
-      for (int64_t j = 0; j < keys; ++j)
-        std::memcpy(w.key_pairs.data() + j * (dim / 2), k_cache + row_of(j), dim * sizeof(KV));
-      std::fill(w.key_pairs.begin() + keys * (dim / 2), w.key_pairs.begin() + padded * (dim / 2), 0u);
+      // the values' dims paired across keys 2j and 2j + 1 (a last odd key's partner 0)
       for (int64_t j = 0; j < keys; j += 2) {
         const KV* first = v_cache + row_of(j);
         const KV* second = j + 1 < keys ? v_cache + row_of(j + 1) : nullptr;
@@ -455,29 +452,32 @@ void prefill_task(Scratch& w, const T* q, const KV* k_cache, const KV* v_cache, 
     }
     // The online softmax, lane-wise: the tile's max, the sums so far rescaled to it, the tile's weights.
     bool rescale = false;  // whether any lane's values so far shrink (on tiles: a pass over them)
+    if constexpr (kTiles) {
 #if defined(TOKENMILL_AMX)
-    if constexpr (kTiles) rescale = tile_softmax(w, keys, padded_32, scale);
+      rescale = tile_softmax(w, keys, padded_32, scale);
 #endif
-    for (int64_t v = 0; v < (kTiles ? 0 : vectors); ++v) {
-      const int64_t at = v * Vec::kLanes;
-      const F old = Vec::load(w.max.data() + at);
-      // Four running maxes: one was a chain of dependent maxes, a key each (the max is exact whatever the order).
-      F tops[4] = {old, old, old, old};
-      int64_t i = 0;
-      for (; i + 4 <= keys; i += 4)
-        for (int k = 0; k < 4; ++k) tops[k] = Vec::max(tops[k], Vec::load(w.scores.data() + (i + k) * w.lanes + at));
-      for (; i < keys; ++i) tops[0] = Vec::max(tops[0], Vec::load(w.scores.data() + i * w.lanes + at));
-      const F top = Vec::max(Vec::max(tops[0], tops[1]), Vec::max(tops[2], tops[3]));
-      const F shrink = Vec::rescale(old, top);
-      F sum = Vec::zero();
-      for (int64_t j = 0; j < keys; ++j) {
-        const F p = Vec::exp_or_zero(Vec::load(w.scores.data() + j * w.lanes + at), top);
-        Vec::store(w.scores.data() + j * w.lanes + at, p);
-        sum = Vec::fma(Vec::set1(1.f), p, sum);
+    } else {
+      for (int64_t v = 0; v < vectors; ++v) {
+        const int64_t at = v * Vec::kLanes;
+        const F old = Vec::load(w.max.data() + at);
+        // Four running maxes: one was a chain of dependent maxes, a key each (the max is exact whatever the order).
+        F tops[4] = {old, old, old, old};
+        int64_t i = 0;
+        for (; i + 4 <= keys; i += 4)
+          for (int k = 0; k < 4; ++k) tops[k] = Vec::max(tops[k], Vec::load(w.scores.data() + (i + k) * w.lanes + at));
+        for (; i < keys; ++i) tops[0] = Vec::max(tops[0], Vec::load(w.scores.data() + i * w.lanes + at));
+        const F top = Vec::max(Vec::max(tops[0], tops[1]), Vec::max(tops[2], tops[3]));
+        const F shrink = Vec::rescale(old, top);
+        F sum = Vec::zero();
+        for (int64_t j = 0; j < keys; ++j) {
+          const F p = Vec::exp_or_zero(Vec::load(w.scores.data() + j * w.lanes + at), top);
+          Vec::store(w.scores.data() + j * w.lanes + at, p);
+          sum = Vec::fma(Vec::set1(1.f), p, sum);
+        }
+        Vec::store(w.max.data() + at, top);
+        Vec::store(w.total.data() + at, Vec::fma(Vec::load(w.total.data() + at), shrink, sum));
+        Vec::store(w.shrink.data() + at, shrink);  // the values' pass scales what it loads (a pass over out saved)
       }
-      Vec::store(w.max.data() + at, top);
-      Vec::store(w.total.data() + at, Vec::fma(Vec::load(w.total.data() + at), shrink, sum));
-      Vec::store(w.shrink.data() + at, shrink);  // the values' pass scales what it loads (a pass over out saved)
     }
     if constexpr (kTiles) {
 #if defined(TOKENMILL_AMX)
@@ -529,8 +529,7 @@ void prefill(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* ta
     // dim: a multiple of the lanes and of kStep (of 32 on tiles)
     Scratch w(kRows * (heads / kv_heads), dim, kOn == On::tiles ? 32 : Vec::kLanes);
 #if defined(TOKENMILL_AMX)
-    static const tokenmill::TileConfig config;
-    if constexpr (kOn == On::tiles) _tile_loadconfig(&config);
+    if constexpr (kOn == On::tiles) tokenmill::configure_tiles();
 #endif
     for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t tile = tiles - 1 - task / kv_heads, h = task % kv_heads;

@@ -378,6 +378,19 @@ struct alignas(64) TileConfig {
     for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
   }
 };
+inline void configure_tiles() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+
+// Lane i of first and of second, rounded to bf16, side by side in 32-bit lane i (first in the low half): the pairs
+// a B tile holds.
+inline __m512i bf16_pairs(__m512 first, __m512 second) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  // cvtne2ps puts first's 16 words below second's
+  return _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
+}
 #endif
 
 // tiles.cpp: whether this build and process can run AMX tiles (the CPU has them, the kernel grants their state);

@@ -41,19 +41,15 @@ constexpr int64_t kTile = 16;    // activation rows of an A or C tile
 constexpr int64_t kTileBytes = kTile * 64;
 
 // Tile registers (cpu.h's TileConfig): C 0..3 (activation tile m, group n at 2m + n), A 4..5, B 6..7.
-using tokenmill::TileConfig;
 
 // Tile row `row` = bf16(scale * q + offset) of E (the pairs' first weights) and O (their second ones) of the 16
 // output rows, as int32 lanes; a lane's two bf16 values side by side.
 struct PairWriter {
-  __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                        21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   uint16_t* tile;
   void operator()(int row, __m512i e, __m512i o, __m512 scale, __m512 offset) const {
     const __m512 ef = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), scale, offset);
     const __m512 of = _mm512_fmadd_ps(_mm512_cvtepi32_ps(o), scale, offset);
-    const __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(of, ef));  // E's 16 words, then O's
-    _mm512_storeu_si512(tile + row * 32, _mm512_permutexvar_epi16(interleave, words));
+    _mm512_storeu_si512(tile + row * 32, tokenmill::bf16_pairs(ef, of));
   }
 };
 
@@ -236,8 +232,7 @@ void tile_matmul_typed(const T* x, int64_t rows, const tokenmill::QuantizedMatri
     const uint16_t* a_block = a + first * w.in;
     T* out_block = out + first * w.out;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      static const TileConfig config;
-      _tile_loadconfig(&config);
+      tokenmill::configure_tiles();
       thread_local std::vector<uint16_t> panel;  // [blocks][groups of the panel][16 tile rows][32 bf16]
       for (int64_t p = begin; p < end; ++p) {
         const int64_t g0 = 2 * p, n = std::min<int64_t>(2, groups - g0);
