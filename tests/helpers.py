@@ -103,11 +103,15 @@ _FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1"
                 "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
 
 
-def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random blocks of qtype (every bit pattern of the quants, sane scales): raw bytes [rows, bytes per row]."""
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0,
+                  fill: int | None = None) -> np.ndarray:
+    """Random blocks of qtype (every bit pattern of the quants, sane scales): raw bytes [rows, bytes per row]; fill:
+    every byte but the fp16 scales this one instead (0xFF: every code its type's largest)."""
     rng = np.random.default_rng(seed)
     per_block, block_bytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // per_block * block_bytes), dtype=np.uint8)
+    if fill is not None:
+        raw[:] = fill
     blocks = raw.reshape(-1, block_bytes)
     for offset in _FP16_FIELDS[qtype.name]:
         scales = rng.normal(0, 0.05, (blocks.shape[0], 1)).astype(np.float16)

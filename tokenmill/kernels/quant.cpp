@@ -106,7 +106,6 @@ inline float quantize_block(const T* x, int8_t* dst, int32_t* sums) {
 #else
   alignas(32) float v[kBlock];
   for (int64_t j = 0; j < kBlock; ++j) v[j] = static_cast<float>(x[j]);
-  alignas(32) int32_t codes[kBlock];
 #if defined(TOKENMILL_AVX2)
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 most = _mm256_setzero_ps();
@@ -115,22 +114,37 @@ inline float quantize_block(const T* x, int8_t* dst, int32_t* sums) {
   const float amax = tokenmill::hmax(most);
   const float d = amax / 127.f;
   const float inv = d > 0.f ? 1.f / d : 0.f;
-  for (int64_t j = 0; j < kBlock; j += 8)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(codes + j),
-                       _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + j), _mm256_set1_ps(inv))));
+  __m256i c[4];
+  for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + 8 * j), _mm256_set1_ps(inv)));
+  // each code's low byte, as static_cast<int8_t> keeps it (packus of values within 0..255 saturates nothing); the
+  // packs interleave 128-bit lanes, the permute puts the eight fours back in order
+  const __m256i low = _mm256_set1_epi32(0xFF);
+  const __m256i words = _mm256_packus_epi32(_mm256_and_si256(c[0], low), _mm256_and_si256(c[1], low));
+  const __m256i words2 = _mm256_packus_epi32(_mm256_and_si256(c[2], low), _mm256_and_si256(c[3], low));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(words, words2),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i both = _mm256_add_epi32(c[2 * half], c[2 * half + 1]);
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+    sums[half] = _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1)));
+  }
+  return d;
 #else
   float amax = 0.f;
   for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
   const float d = amax / 127.f;
   const float inv = d > 0.f ? 1.f / d : 0.f;
+  int32_t codes[kBlock];
   for (int64_t j = 0; j < kBlock; ++j) codes[j] = static_cast<int32_t>(std::nearbyint(v[j] * inv));
-#endif
   sums[0] = sums[1] = 0;
   for (int64_t j = 0; j < kBlock; ++j) {
     dst[j] = static_cast<int8_t>(codes[j]);
     sums[j / 16] += codes[j];
   }
   return d;
+#endif
 #endif
 }
 
@@ -273,6 +287,10 @@ struct Isa {
     const I pairs = _mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(_mm256_set1_epi32(load32(x)), w.raw));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
+  // dot4 in two steps, for weights of few bits: the pairs' int16 sums of several chunks add up before one widening
+  static I pairs(I w, const int8_t* x) { return _mm256_maddubs_epi16(w, _mm256_set1_epi32(load32(x))); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I widen_add(I acc, I pairs) { return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
   static F zero_f() { return _mm256_setzero_ps(); }
   static F load_f(const float* p) { return _mm256_loadu_ps(p); }
   static F load_f(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -308,6 +326,72 @@ inline void prefetch(const void* p, int64_t bytes) {
 #endif
 }
 
+#if defined(TOKENMILL_AVX2) && !defined(TOKENMILL_VNNI512)
+// group_tile for 4- to 6-bit weights on AVX2. maddubs gives int16 lanes of two products each, at most 2 x (2^BITS - 1)
+// x 127 (an activation's code is within +-127: quantize_block): kPairSums of them add up in int16 before one madd
+// widens them to int32, where a madd after each one took as many instructions as the products themselves. The block's
+// eight unpacked chunks stay in registers while each row passes over them, the rows' sums in `out`: the other order
+// (each chunk over all the rows) kept every row's sums live and spilled them at 5 rows. The integer sums are exact in
+// any order, and each row's float steps are group_tile's: the same results to the bit.
+template <int BITS, int SUB, typename S, int N>
+void few_bits_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int64_t r0, float (*out)[kLanes]) {
+  using V = Isa;
+  using I = typename V::I;
+  constexpr int kPairSums = 32767 / (2 * ((1 << BITS) - 1) * 127);  // 4-bit: 8, 5-bit: 4, 6-bit: 2
+  constexpr int kParts = kBlock / SUB, kChunks = SUB / 4;             // per block: scales, and chunks a scale
+  const int64_t blocks = w.in / kBlock, groups = w.in / SUB;
+  const int64_t block_bytes = BITS * kLanes * 4;
+  const uint8_t* q = w.q + g * blocks * block_bytes;
+  const S* scales = static_cast<const S*>(w.scales) + g * groups * kLanes;
+  const S* shift = w.shift ? static_cast<const S*>(w.shift) + g * groups * kLanes : nullptr;
+  const int8_t* xq = x.q.data() + r0 * w.in;
+  const float* xs = x.scale.data() + r0 * blocks;
+  const int32_t* starts = x.starts.data() + r0 * groups;
+  const float* xsums = shift ? x.xsums.data() + r0 * groups : nullptr;
+  constexpr int64_t kAhead = 4;  // blocks
+  for (int i = 0; i < N; ++i) std::fill(out[i], out[i] + kLanes, 0.f);
+  for (int64_t lane0 = 0; lane0 < kLanes; lane0 += V::kLanes) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* at = q + b * block_bytes + lane0 * 4;
+      if (lane0 == 0) prefetch(at + kAhead * block_bytes, block_bytes);
+      I chunk[8];  // chunk[m]: weights 4m..4m+3 of the block, a lane a row
+      I planes[2]{};
+      if constexpr (BITS > 4) {
+        for (int half = 0; half < 2; ++half) planes[half] = V::load(at + tokenmill::high_chunk<BITS>(half) * kLanes * 4);
+      }
+      for (int c = 0; c < 4; ++c) {
+        const I v = V::load(at + c * kLanes * 4);
+        chunk[c] = V::low(v), chunk[4 + c] = V::high(v);
+        if constexpr (BITS > 4) {
+          constexpr int mask = tokenmill::high_mask<BITS>();
+          chunk[c] = V::with_high(chunk[c], planes[0], tokenmill::high_shift<BITS>(c, 0), mask);
+          chunk[4 + c] = V::with_high(chunk[4 + c], planes[1], tokenmill::high_shift<BITS>(c, 1), mask);
+        }
+      }
+      const int8_t* xb = xq + b * kBlock * N;
+      for (int p = 0; p < kParts; ++p) {
+        const int64_t k = b * kParts + p;
+        const typename V::F scale = V::load_f(scales + k * kLanes + lane0);
+#pragma GCC unroll 8
+        for (int i = 0; i < N; ++i) {
+          I sum = V::set1(starts[k * N + i]);
+          for (int m0 = p * kChunks; m0 < (p + 1) * kChunks; m0 += kPairSums) {
+            I pairs = V::pairs(chunk[m0], xb + (m0 * N + i) * 4);
+            for (int m = m0 + 1; m < std::min(m0 + kPairSums, (p + 1) * kChunks); ++m)
+              pairs = V::add16(pairs, V::pairs(chunk[m], xb + (m * N + i) * 4));
+            sum = V::widen_add(sum, pairs);
+          }
+          float* to = out[i] + lane0;
+          typename V::F acc = V::fma(sum, scale, xs[b * N + i], V::load_f(to));
+          if (shift) acc = V::fma(V::load_f(shift + k * kLanes + lane0), xsums[k * N + i], acc);
+          V::store(to, acc);
+        }
+      }
+    }
+  }
+}
+#endif
+
 // Group g's 16 output rows for activation rows r0..r0+N-1 into out[i][16] (lanes past the matrix's rows: zeros).
 // Each row's arithmetic is the same whatever N: a row's result does not depend on its batch.
 template <int BITS, int SUB, typename S, int N>
@@ -326,6 +410,12 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
   const int32_t* starts = x.starts.data() + r0 * groups;
   const float* xsums = shift ? x.xsums.data() + r0 * groups : nullptr;
   constexpr int64_t kAhead = 4;  // blocks
+#if !defined(TOKENMILL_VNNI512)
+  if constexpr (BITS != 8) {
+    few_bits_tile<BITS, SUB, S, N>(w, g, x, r0, out);
+    return;
+  }
+#endif
   for (int64_t lane0 = 0; lane0 < kLanes; lane0 += V::kLanes) {
     typename V::F acc[N];
     for (int i = 0; i < N; ++i) acc[i] = V::zero_f();
