@@ -10,7 +10,8 @@
 // float multiply. Against one row at a time (products of one row summed across lanes, then a float multiply-add per
 // two blocks) this is about a third of the instructions per weight, which is what steps of 8-64 rows are bound by.
 // Where the CPU has AVX-512 VNNI (Zen 4 and 5, Sapphire Rapids and later) that multiply-add is one vpdpbusd; with
-// AVX2 two instructions (maddubs: u8 x i8 pairs summed to i16, then to i32) on 8 rows at a time; else plain loops.
+// AVX2 two instructions (maddubs: u8 x i8 pairs summed to i16, then to i32) on 8 rows at a time, the second shared
+// by several chunks where the weights have at most 6 bits (few_bits_tile); else plain loops.
 //
 // Layout: qweight [groups, blocks, chunks, 16, 4]: group g holds output rows 16g..16g+15 (the last one padded with
 // zeros), block b weights 32b..32b+31, chunk c of a row four bytes:
@@ -357,7 +358,8 @@ void few_bits_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, 
       I chunk[8];  // chunk[m]: weights 4m..4m+3 of the block, a lane a row
       I planes[2]{};
       if constexpr (BITS > 4) {
-        for (int half = 0; half < 2; ++half) planes[half] = V::load(at + tokenmill::high_chunk<BITS>(half) * kLanes * 4);
+        for (int half = 0; half < 2; ++half)
+          planes[half] = V::load(at + tokenmill::high_chunk<BITS>(half) * kLanes * 4);
       }
       for (int c = 0; c < 4; ++c) {
         const I v = V::load(at + c * kLanes * 4);
