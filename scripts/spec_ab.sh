@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Speculative decoding side by side over HTTP, in interleaved rounds: tokenmill serving TARGET plain (plain), with
 # DRAFT as its draft model (draft; draft6: 6 tokens a guess), with prompt lookup (ngram), with the suffix cache
-# (suffix), and plain-fp32, ngram-fp32 in fp32; one server at a time, 2 threads each.
+# (suffix), plain-fp32 and ngram-fp32 in fp32, plain-bf16 and ngram-bf16 in bf16 (where `--dtype auto` is fp32:
+# AVX2-only CPUs); one server at a time, 2 threads each.
 #   [TOKENMILL=tokenmill] [SERVERS="plain draft"] bash scripts/spec_ab.sh TARGET DRAFT [ROUNDS] [OUT]
 # Each server: baseline (one stream, 4 x 128 tokens), rewrite (one stream, 4 answers of 300 tokens that copy a
 # 200-token prompt), repeated (one stream, 2 prompts sent 4 times each in turn, 128 tokens), burst 32 (32 x 128 at
@@ -25,6 +26,8 @@ start() {
     ngram) exec $TM serve "$TARGET" --port $PORT --threads 2 --speculative ngram ;;
     plain-fp32) exec $TM serve "$TARGET" --port $PORT --threads 2 --dtype float32 ;;
     ngram-fp32) exec $TM serve "$TARGET" --port $PORT --threads 2 --dtype float32 --speculative ngram ;;
+    plain-bf16) exec $TM serve "$TARGET" --port $PORT --threads 2 --dtype bfloat16 ;;
+    ngram-bf16) exec $TM serve "$TARGET" --port $PORT --threads 2 --dtype bfloat16 --speculative ngram ;;
     suffix) exec $TM serve "$TARGET" --port $PORT --threads 2 --speculative suffix ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac > "$OUT/$1.log" 2>&1 &
