@@ -106,7 +106,8 @@ _FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1"
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0,
                   fill: int | None = None) -> np.ndarray:
     """Random blocks of qtype (every bit pattern of the quants, sane scales): raw bytes [rows, bytes per row]; fill:
-    every byte but the fp16 scales this one instead (0xFF: every code its type's largest)."""
+    every byte but the fp16 scales this one instead, the K-quants' packed sub-block scales included (0xFF: every
+    code of Q4_*, Q5_* and Q6_K its largest; 0x80: Q8_0's largest in magnitude)."""
     rng = np.random.default_rng(seed)
     per_block, block_bytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // per_block * block_bytes), dtype=np.uint8)

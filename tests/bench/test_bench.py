@@ -198,11 +198,13 @@ def test_chunks_are_counted_when_the_server_sends_no_usage() -> None:
 
 
 def test_long_prompt_delay_and_the_prefill_stall_figures(server: ServerThread) -> None:
-    # the tiny model reads a byte per token: 60 "tokens" of words are about 300 of its tokens
+    # the tiny model reads a byte per token: 60 "tokens" of words are about 300 of its tokens. The long prompt comes
+    # a second in, so that the short ones have streamed some tokens before it on a loaded machine (at 0.2 s, a run
+    # beside the rest of the suite on two cores had none: no figure before it).
     params = dict(name="long-prompt", num_requests=4, long_fraction=0.25, prompt_len=4, long_prompt_len=60,
-                  output_len=48, long_prompt_delay=0.2)
+                  output_len=48, long_prompt_delay=1.0)
     arrivals = {c.long: c.arrival for c in build(WorkloadParams(**params))}
-    assert arrivals == {True: 0.2, False: 0.0}
+    assert arrivals == {True: 1.0, False: 0.0}
     summary = run(server.base_url, **params)["summary"]
     assert summary["failed"] == 0
     before, during = summary["itl_ms_before_long_prefill"], summary["itl_ms_during_long_prefill"]

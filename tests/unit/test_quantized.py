@@ -127,12 +127,13 @@ def test_the_kernel_computes_the_product(qtype: QType, rows: int) -> None:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_the_kernels_integer_sums_hold_at_the_codes_extremes(qtype: QType, rows: int) -> None:
-    """Every weight at its type's largest code (Q8_0: -128), every activation at +-127 (a block's values alike): the
-    kernels' narrow partial sums (AVX2's int16 pairs, several chunks of them added before widening) stay exact."""
+    """Every weight at its type's largest code (Q8_0: -128, the largest in magnitude), every activation at +-127 (a
+    block's values alike): the kernels' narrow partial sums (AVX2's int16 pairs, several chunks of them added before
+    widening) stay exact."""
     fill = 0x80 if qtype == QType.Q8_0 else 0xFF
     weight = quantized_weight(random_blocks(qtype, 24, 512, fill=fill), qtype)
     signs = torch.where(torch.rand(rows, 16, generator=torch.Generator().manual_seed(rows)) < 0.5, -1.0, 1.0)
-    signs[0] = 1.0  # one row of every block's products of one sign
+    signs[0] = 1.0  # row 0: every block's codes +127, the largest sums; the other rows mix the signs by block
     x = signs.repeat_interleave(32, dim=1) * 0.75
     out = QuantizedLinear(weight, None)(x)
     expected = emulated(x, weight)

@@ -328,12 +328,12 @@ inline void prefetch(const void* p, int64_t bytes) {
 }
 
 #if defined(TOKENMILL_AVX2) && !defined(TOKENMILL_VNNI512)
-// group_tile for 4- to 6-bit weights on AVX2. maddubs gives int16 lanes of two products each, at most 2 x (2^BITS - 1)
-// x 127 (an activation's code is within +-127: quantize_block): kPairSums of them add up in int16 before one madd
-// widens them to int32, where a madd after each one took as many instructions as the products themselves. The block's
-// eight unpacked chunks stay in registers while each row passes over them, the rows' sums in `out`: the other order
-// (each chunk over all the rows) kept every row's sums live and spilled them at 5 rows. The integer sums are exact in
-// any order, and each row's float steps are group_tile's: the same results to the bit.
+// group_tile for 4- to 6-bit weights on AVX2 (and AVX-512 without VNNI). maddubs gives int16 lanes of two products
+// each, at most 2 x (2^BITS - 1) x 127 (an activation's code is within +-127: quantize_block): kPairSums of them add
+// up in int16 before one madd widens them to int32 (a madd after every maddubs doubles the multiply instructions). The
+// block's eight unpacked chunks stay in registers while each row passes over them, the rows' sums in `out`: in the
+// chunk-outer order N rows' sums stay live, and at N = 5 they spill. The integer sums are exact in any order, and
+// each row's float steps are group_tile's: the same results to the bit.
 template <int BITS, int SUB, typename S, int N>
 void few_bits_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int64_t r0, float (*out)[kLanes]) {
   using V = Isa;
@@ -441,7 +441,7 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
       const auto start = [&](int64_t k, typename V::I (&s)[N]) {
         for (int i = 0; i < N; ++i) s[i] = V::set1(starts[k * N + i]);
       };
-      if constexpr (BITS != 8) {
+      if constexpr (BITS != 8 && V::kLanes == 16) {  // VNNI only: AVX2 takes few_bits_tile
         // A scale per 16 (Q6_K): the low nibbles are weights 0-15 and the high ones the next sub-block, each summed
         // on its own.
         // With one scale per block, the high nibbles still sum apart where vpdpbusd runs (AVX-512): one chain of 8
@@ -479,7 +479,7 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
         }
         finish(b * (kBlock / SUB), sums);
         if constexpr (SUB == 16) finish(2 * b + 1, upper);
-      } else {
+      } else if constexpr (BITS == 8) {
         // odd chunks sum apart where vpdpbusd runs (AVX-512): two chains of dependent vpdpbusd, not one
         constexpr bool kTwoChains = V::kLanes == 16;
         typename V::I odd[N];
