@@ -398,6 +398,12 @@ void few_bits_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, 
 // Each row's arithmetic is the same whatever N: a row's result does not depend on its batch.
 template <int BITS, int SUB, typename S, int N>
 void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int64_t r0, float (*out)[kLanes]) {
+#if defined(TOKENMILL_AVX2) && !defined(TOKENMILL_VNNI512)
+  if constexpr (BITS != 8) {
+    few_bits_tile<BITS, SUB, S, N>(w, g, x, r0, out);
+    return;
+  }
+#endif
   const int64_t blocks = w.in / kBlock, groups = w.in / SUB;
   const int64_t block_bytes = BITS * kLanes * 4;  // BITS chunks
   const uint8_t* q = w.q + g * blocks * block_bytes;
@@ -412,12 +418,6 @@ void group_tile(const QuantizedMatrix& w, int64_t g, const QuantizedRows& x, int
   const int32_t* starts = x.starts.data() + r0 * groups;
   const float* xsums = shift ? x.xsums.data() + r0 * groups : nullptr;
   constexpr int64_t kAhead = 4;  // blocks
-#if !defined(TOKENMILL_VNNI512)
-  if constexpr (BITS != 8) {
-    few_bits_tile<BITS, SUB, S, N>(w, g, x, r0, out);
-    return;
-  }
-#endif
   for (int64_t lane0 = 0; lane0 < kLanes; lane0 += V::kLanes) {
     typename V::F acc[N];
     for (int i = 0; i < N; ++i) acc[i] = V::zero_f();
