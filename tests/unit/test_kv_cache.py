@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -88,3 +90,24 @@ def test_kv_memory_gives_the_sliding_pool_max_num_seqs_windows_and_the_rest_to_t
     assert sizes(build_kv_cache(whole, spec, CPU, max_model_len=2048))[1] == 4 * 33 + 2048 // 16
     chunked = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="128MiB")
     assert sizes(build_kv_cache(chunked, spec, CPU, max_model_len=2048))[1] == 4 * 33 + 4  # the step's 64 tokens
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
+def test_a_cpu_pool_costs_no_memory_until_its_blocks_are_written() -> None:
+    """A pool sized at a tenth of RAM used to be filled with zeros at start, all of it resident before any request:
+    its pages now come zeroed from the OS as they are first written. 1 GiB of blocks, one written."""
+    spec = KVSpec(num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+    before = resident_bytes()
+    cache = PagedKVCache(spec, CPU, num_blocks=8192, block_size=16)
+    assert cache.k.nbytes + cache.v.nbytes > 2**30
+    assert resident_bytes() - before < 32 * 2**20
+    assert cache.k.data_ptr() % 4096 == 0 and cache.v.data_ptr() % 4096 == 0
+    assert not cache.k[:, :3].any() and not cache.v[:, -3:].any()  # zeros where read
+    cache.k[:, 5] = 1.0
+    assert resident_bytes() - before >= cache.k[:, 5].nbytes
+    assert cache.k[:, 5].sum() == cache.k[:, 5].numel() and not cache.k[:, 4].any()

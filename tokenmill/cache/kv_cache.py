@@ -10,6 +10,8 @@ cache/metadata.py turns it into a step's attention metadata for the kernels that
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -74,8 +76,8 @@ class Pool:
     @staticmethod
     def build(spec: KVSpec, num_layers: int, num_blocks: int, block_size: int, device: torch.device) -> Pool:
         shape = (num_layers, num_blocks + 2, block_size, spec.num_kv_heads, spec.row_width)
-        return Pool(BlockPool(num_blocks, first_block=1), torch.zeros(shape, dtype=spec.dtype, device=device),
-                     torch.zeros(shape, dtype=spec.dtype, device=device))
+        return Pool(BlockPool(num_blocks, first_block=1), lazy_zeros(shape, spec.dtype, device),
+                     lazy_zeros(shape, spec.dtype, device))
 
     @property
     def scratch_slot(self) -> int:
@@ -91,6 +93,17 @@ class Pool:
         self.live[block] -= 1
         if not self.live[block]:
             del self.live[block]
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros; on a CPU, private anonymous memory, which the OS hands out zeroed a page at a time as it is first
+    written: a pool sized at a tenth of RAM is not zero-filled at start (seconds) nor resident before its blocks are
+    used. Page-aligned; unmapped when the tensor goes."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
