@@ -79,6 +79,17 @@ struct Scratch {
 // What a task multiplies on: fp32 multiply-adds (any pool), bf16 pairs (vdpbf16ps), or AMX tiles (tdpbf16ps).
 enum class On { fp32, pairs, tiles };
 
+// v stays in a register: GCC otherwise folds a vector used by kStep multiply-adds into each as a memory operand,
+// kStep loads where one does, and on AVX2 the products' loops were bound by those loads (docs/performance: Zen 3,
+// 2026-12-07). Not measured with AVX-512's 32 registers: left to the compiler there.
+inline void in_register(F& v) {
+#if defined(__GNUC__) && !defined(__AVX512F__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
 // scores[j, V vectors of queries from v0] for keys j0..j0+kStep-1: per dim, kStep broadcast key values against the
 // queries.
 template <int V>
@@ -89,7 +100,10 @@ void score(Scratch& w, int64_t j0, int64_t v0, int64_t dim) {
   const float* key = w.keys.data() + j0 * dim;
   for (int64_t d = 0; d < dim; ++d) {
     F q[V];
-    for (int v = 0; v < V; ++v) q[v] = Vec::load(w.query.data() + d * w.lanes + (v0 + v) * Vec::kLanes);
+    for (int v = 0; v < V; ++v) {
+      q[v] = Vec::load(w.query.data() + d * w.lanes + (v0 + v) * Vec::kLanes);
+      in_register(q[v]);
+    }
     for (int k = 0; k < kStep; ++k) {
       const F b = Vec::set1(key[k * dim + d]);
       for (int v = 0; v < V; ++v) acc[k][v] = Vec::fma(b, q[v], acc[k][v]);
@@ -110,7 +124,10 @@ void add_values(Scratch& w, int64_t d0, int64_t v0, int64_t keys, int64_t dim) {
                            Vec::load(w.shrink.data() + (v0 + v) * Vec::kLanes));
   for (int64_t j = 0; j < keys; ++j) {
     F p[V];
-    for (int v = 0; v < V; ++v) p[v] = Vec::load(w.scores.data() + j * w.lanes + (v0 + v) * Vec::kLanes);
+    for (int v = 0; v < V; ++v) {
+      p[v] = Vec::load(w.scores.data() + j * w.lanes + (v0 + v) * Vec::kLanes);
+      in_register(p[v]);
+    }
     for (int k = 0; k < kStep; ++k) {
       const F b = Vec::set1(w.values[j * dim + d0 + k]);
       for (int v = 0; v < V; ++v) acc[k][v] = Vec::fma(b, p[v], acc[k][v]);
