@@ -96,13 +96,14 @@ class Pool:
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros; on a CPU, private anonymous memory, which the OS hands out zeroed a page at a time as it is first
-    written: a pool sized at a tenth of RAM is not zero-filled at start (seconds) nor resident before its blocks are
-    used. Page-aligned; unmapped when the tensor goes."""
+    """torch.zeros; on a CPU (where the OS has private mappings: POSIX), anonymous memory, which the OS hands out zeroed
+    a page at a time as it is first written: a pool sized at a tenth of RAM is not zero-filled at start (seconds) nor
+    resident before its blocks are used. Page-aligned; unmapped when the tensor goes."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes == 0:
+    private = getattr(mmap, "MAP_PRIVATE", None)  # POSIX's
+    if device.type != "cpu" or nbytes == 0 or private is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    memory = mmap.mmap(-1, nbytes, flags=private)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
