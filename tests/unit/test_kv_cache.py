@@ -11,6 +11,7 @@ from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.cache.sizing import build_kv_cache
 from tokenmill.config import EngineConfig
+from tokenmill.hosting.pool import resident_bytes
 from tokenmill.layers.attention import SequenceSlice
 
 CPU = torch.device("cpu")
@@ -90,11 +91,6 @@ def test_kv_memory_gives_the_sliding_pool_max_num_seqs_windows_and_the_rest_to_t
     assert sizes(build_kv_cache(whole, spec, CPU, max_model_len=2048))[1] == 4 * 33 + 2048 // 16
     chunked = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="128MiB")
     assert sizes(build_kv_cache(chunked, spec, CPU, max_model_len=2048))[1] == 4 * 33 + 4  # the step's 64 tokens
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
