@@ -3,6 +3,8 @@ against their weight, the most served preempted first, and a tenant's quota endi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -63,14 +65,11 @@ def test_without_the_fair_share_the_queue_is_first_come_first_served() -> None:
     assert [seq.owner.name for seq in admitted] == ["a"]
 
 
-def test_backlogged_tenants_share_the_slots_by_their_weights() -> None:
-    """Sequences of 16 tokens each, both tenants always waiting: the tokens each is served follow its weight."""
-    heavy, light = Owner("heavy", weight=3.0), Owner("light", weight=1.0)
-    sched = scheduler(max_num_seqs=8)
-    ids = iter(range(10**6))
-    generated = {"heavy": 0, "light": 0}
-    for _ in range(2000):
-        for owner in (heavy, light):
+def backlogged_shares(sched: Scheduler, owners: list[Owner], steps: int, ids: Iterator[int]) -> dict[str, int]:
+    """Tokens each owner generates over `steps` steps while each keeps 8 sequences of 16 tokens waiting."""
+    generated = {owner.name: 0 for owner in owners}
+    for _ in range(steps):
+        for owner in owners:
             while sum(seq.owner is owner for seq in sched.waiting) < 8:
                 sched.add(make(next(ids), owner, max_tokens=16))
         plan = sched.schedule()
@@ -78,8 +77,26 @@ def test_backlogged_tenants_share_the_slots_by_their_weights() -> None:
             if item.samples:
                 generated[item.seq.owner.name] += 1
         sched.update(plan, [[5] for item in plan if item.samples])
+    return generated
+
+
+def test_backlogged_tenants_share_the_slots_by_their_weights() -> None:
+    """Sequences of 16 tokens each, both tenants always waiting: the tokens each is served follow its weight."""
+    heavy, light = Owner("heavy", weight=3.0), Owner("light", weight=1.0)
+    generated = backlogged_shares(scheduler(max_num_seqs=8), [heavy, light], 2000, iter(range(10**6)))
     share = generated["heavy"] / sum(generated.values())
     assert abs(share - 0.75) < 0.05, generated
+
+
+@pytest.mark.parametrize("weight", [1.0, 3.0])
+def test_what_a_tenant_was_served_alone_is_not_held_against_it_when_another_comes(weight: float) -> None:
+    """a has the engine to itself for a while; then b, with a backlog too: from then on they share by weight,
+    b coming first only for about RETURN_CREDIT tokens, not until a's past service has decayed."""
+    a, b = Owner("a"), Owner("b", weight=weight)
+    sched, ids = scheduler(max_num_seqs=8), iter(range(10**6))
+    backlogged_shares(sched, [a], 4 * FAIR_SHARE_HALF_LIFE // 8, ids)  # a alone: 8 decodes a step
+    generated = backlogged_shares(sched, [a, b], FAIR_SHARE_HALF_LIFE // 8, ids)
+    assert abs(generated["b"] / sum(generated.values()) - weight / (1 + weight)) < 0.05, generated
 
 
 def test_service_decays_so_an_old_burst_is_forgotten() -> None:

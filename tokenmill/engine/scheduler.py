@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import Sequence, Status
+from tokenmill.engine.request import Owner, Sequence, Status
 
 # The fair share weighs what each owner was served over about the last FAIR_SHARE_HALF_LIFE * 2 tokens the engine
 # ran: each token served halves the weight of what came before it over this many tokens.
 FAIR_SHARE_HALF_LIFE = 4096
+# An owner whose first request in a while arrives while others have work is placed level with the least served of
+# them less this many tokens (against its weight): it comes first for about that long, as a newcomer should, but
+# what the others were served while it was away (the engine was theirs) is not held against them.
+RETURN_CREDIT = 256
 # The weight of a decode step's newest time in the running mean of a decode's time (shared_step_ms).
 DECODE_TIME_WEIGHT = 0.2
 
@@ -106,6 +110,8 @@ class Scheduler:
         # the fair share admits the least served (against its weight) first and preempts the most served first.
         self.served: dict[str, float] = {}
         self.weights: dict[str, float] = {}
+        # Service owners are deemed to have had on their return (add), on top of what they had, decaying alike.
+        self.placed: dict[str, float] = {}
         self._newcomers: set[str] = set()  # owners of the sequences this step admits for the first time
         self.decodes = 0  # decodes scheduled so far: each one's turn (Sequence.decode_turn)
         # Seconds a decode costs in a step of decodes (the step's time over its rows, a running mean; None until a
@@ -113,7 +119,21 @@ class Scheduler:
         self.decode_seconds: float | None = None
 
     def add(self, seq: Sequence) -> None:
+        if self.config.fair_share:
+            self._place(seq.owner)
         self.waiting.append(seq)
+
+    def _place(self, owner: Owner) -> None:
+        """An owner with nothing in the engine returns: its standing is raised to RETURN_CREDIT below the least
+        served owner with work (against the weights), where it was lower."""
+        active = {seq.owner.name for seq in (*self.running, *self.waiting)}
+        if owner.name in active or not active:
+            return
+        self.weights[owner.name] = owner.weight
+        level = (min(map(self._served, active)) - RETURN_CREDIT) * owner.weight
+        had = self.served.get(owner.name, 0.0) + self.placed.get(owner.name, 0.0)
+        if level > had:
+            self.placed[owner.name] = self.placed.get(owner.name, 0.0) + level - had
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -250,7 +270,7 @@ class Scheduler:
             queues.setdefault(seq.owner.name, deque()).append(seq)
         if len(queues) < 2:
             return list(self.waiting)
-        projected = {name: self.served.get(name, 0.0) / queue[0].owner.weight for name, queue in queues.items()}
+        projected = {name: self._served(name, queue[0].owner.weight) for name, queue in queues.items()}
         order = []
         while queues:
             name = min(queues, key=projected.__getitem__)  # ties: the owner whose oldest came first
@@ -262,13 +282,19 @@ class Scheduler:
         return order
 
     def _favour_newcomers(self, plan: list[ScheduledSequence]) -> list[ScheduledSequence]:
-        """The step, or only the work of the owners whose new prompts it admits while they were served less than
-        half (against their weight) of every other owner in it: their first tokens then wait for the step in
-        progress and their own, not for a step of everyone's decodes too. The others lose one step to it, which only
-        an owner served so much less can cause."""
+        """The step, or only the work of the owners whose new prompts it admits while their standing is below every
+        other owner's in it by more than the lesser of their own standing and half of RETURN_CREDIT (one just
+        returned, _place): their first tokens then wait for the step in progress and their own, not for a step of
+        everyone's decodes too. The others lose one step to it, which only an owner served so much less can
+        cause."""
         owners = {item.seq.owner.name for item in plan}
-        favoured = {name for name in self._newcomers if len(owners) > 1 and 2 * self._served(name) <
-                    min(self._served(other) for other in owners - {name})}
+        if len(owners) < 2:
+            return plan
+        favoured = set()
+        for name in self._newcomers:
+            mine = self._served(name)
+            if min(self._served(other) for other in owners - {name}) - mine > min(mine, RETURN_CREDIT / 2):
+                favoured.add(name)
         return [item for item in plan if item.seq.owner.name in favoured] if favoured else plan
 
     def _victim(self) -> Sequence:
@@ -304,17 +330,20 @@ class Scheduler:
         ran = sum(item.num_tokens for item in plan)
         decay = 0.5 ** (ran / FAIR_SHARE_HALF_LIFE)
         served = {name: value * decay for name, value in self.served.items() if value * decay > 1e-3}
+        self.placed = {name: value * decay for name, value in self.placed.items() if value * decay > 1e-3}
         for item in plan:
             owner = item.seq.owner
             served[owner.name] = served.get(owner.name, 0.0) + item.num_tokens
             self.weights[owner.name] = owner.weight
         self.served = served
         if len(self.weights) > 2 * len(served) + 16:  # forget the weights of owners long gone
-            self.weights = {name: self.weights[name] for name in served}
+            self.weights = {name: self.weights[name] for name in served.keys() | self.placed.keys()}
 
-    def _served(self, name: str) -> float:
-        """An owner's recent service against its weight."""
-        return self.served.get(name, 0.0) / self.weights.get(name, 1.0)
+    def _served(self, name: str, weight: float | None = None) -> float:
+        """An owner's standing: its recent service, and what it was placed at on its return, against its weight
+        (the one it was last served with, where not given)."""
+        weight = self.weights.get(name, 1.0) if weight is None else weight
+        return (self.served.get(name, 0.0) + self.placed.get(name, 0.0)) / weight
 
     def _alone(self, seq: Sequence, plan: list[ScheduledSequence], budget: _Budget) -> int:
         """Whole prompts only, and the first in the queue does not fit beside this step's decodes: it runs alone,
