@@ -1,8 +1,8 @@
 """The fair share between tenants, measured over HTTP on servers this command starts, with and without it (and with
 --shared-step-ms, a third server with the fair share and steps kept that short while tenants share it):
 
-- burst: tenant A keeps --streams streams in flight while tenant B sends one request at a time; B's time to first
-  token (p50, p90) against its value with the server to itself;
+- burst: tenant A keeps --streams streams in flight (from a process of its own, as another client) while tenant B
+  sends one request at a time; B's time to first token (p50, p90) against its value with the server to itself;
 - backlog: two tenants each keep --backlog streams in flight (more than the server runs at once) for --seconds;
   each one's share of the tokens generated in that time, against the share its weight asks for (weights 1:1 and
   1:W, --weight).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -134,6 +135,23 @@ class _Load:
         return sum(n for when, n in self.tokens if start <= when < end)
 
 
+def _burst(url: str, model: str, prompt: str, streams: int, seconds: float, news: Any) -> None:
+    """Tenant A's streams for `seconds`, in a process of their own (a client of its own, as a tenant is: B's first
+    tokens are not read late behind A's in one event loop). Puts into `news` when the streams are steady and when
+    they end (perf_counter is the system's monotonic clock, the same in both processes), then A's tokens a second
+    between the two and its errors."""
+    async def run() -> tuple[float, int]:
+        burst = _Load(url, "a", model, prompt, 128, spread=True)
+        start = time.perf_counter()
+        steady, end = start + min(5.0, seconds / 4), start + seconds  # A's streams reach their steady state
+        news.put((steady, end))
+        limits = httpx.Limits(max_connections=2 * streams + 8)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            await burst.keep(client, streams, end)
+        return burst.between(steady, end) / (end - steady), burst.errors
+    news.put(asyncio.run(run()))
+
+
 def _p(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 2 else (values[0] if values else float("nan"))
 
@@ -148,16 +166,17 @@ async def _measure(url: str, model: str, args: argparse.Namespace) -> dict[str, 
         alone.ttft.clear()
         while time.perf_counter() < until:
             await alone.one(client)
-        burst = _Load(url, "a", model, prompt, 128, spread=True)
         single = _Load(url, "b", model, prompt, args.max_tokens)
-        end = time.perf_counter() + args.seconds
-        crowd = asyncio.ensure_future(burst.keep(client, args.streams, end))
-        await asyncio.sleep(min(5.0, args.seconds / 4))  # A's streams reach their steady state
-        steady = time.perf_counter()
+        spawn = multiprocessing.get_context("spawn")
+        news = spawn.SimpleQueue()
+        crowd = spawn.Process(target=_burst, args=(url, model, prompt, args.streams, args.seconds, news))
+        crowd.start()
+        steady, end = await asyncio.to_thread(news.get)
+        await asyncio.sleep(max(0.0, steady - time.perf_counter()))
         while time.perf_counter() < end:
             await single.one(client)
-        a_rate = burst.between(steady, end) / (end - steady)
-        await crowd
+        a_rate, a_errors = await asyncio.to_thread(news.get)
+        crowd.join()
         shares = {}
         for other in ("b", "c"):
             loads = {name: _Load(url, name, model, prompt, 64, spread=True) for name in ("a", other)}
@@ -170,7 +189,7 @@ async def _measure(url: str, model: str, args: argparse.Namespace) -> dict[str, 
             "burst_ttft_p50": statistics.median(single.ttft), "burst_ttft_p90": _p(single.ttft, 90),
             "burst_requests": len(single.ttft), "a_tokens_per_s": a_rate,
             "share_b_weight_1": shares["b"], "share_c_weight_w": shares["c"],
-            "errors": alone.errors + burst.errors + single.errors}
+            "errors": alone.errors + single.errors + a_errors}
 
 
 def main() -> None:

@@ -126,6 +126,8 @@ class Scheduler:
     def _place(self, owner: Owner) -> None:
         """An owner with nothing in the engine returns: its standing is raised to RETURN_CREDIT below the least
         served owner with work (against the weights), where it was lower."""
+        if not self.served:  # nobody was served lately (or a server without tenants): nothing to be level with
+            return
         active = {seq.owner.name for seq in (*self.running, *self.waiting)}
         if owner.name in active or not active:
             return
