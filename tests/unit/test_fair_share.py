@@ -11,7 +11,7 @@ import torch
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.request import Owner, Sequence, Status
-from tokenmill.engine.scheduler import DECODE_TIME_WEIGHT, FAIR_SHARE_HALF_LIFE, Scheduler
+from tokenmill.engine.scheduler import DECODE_TIME_WEIGHT, FAIR_SHARE_HALF_LIFE, RETURN_CREDIT, Scheduler
 from tokenmill.sampling import SamplingParams
 
 TINY = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
@@ -167,6 +167,23 @@ def test_a_newcomer_s_prompt_runs_in_a_step_of_its_own_once_and_then_with_everyo
     sched.add(newcomer)
     assert step(sched) == [newcomer]  # a's decodes wait this one step
     assert sorted(seq.seq_id for seq in step(sched)) == [0, 1, 2, 3, 9]
+
+
+def test_a_tenant_returning_to_an_engine_long_busy_still_gets_a_step_of_its_own() -> None:
+    """b is placed level with a, whose service is far past RETURN_CREDIT, less that credit: still served so much
+    less that its prompt runs alone, once."""
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(num_blocks=4000, max_num_seqs=8)  # room for every token: nobody is preempted
+    for i in range(4):
+        sched.add(make(i, a, max_tokens=10**4))
+    for _ in range(FAIR_SHARE_HALF_LIFE // 4):
+        step(sched)
+    assert sched.served["a"] > 8 * RETURN_CREDIT
+    newcomer = make(9, b)
+    sched.add(newcomer)
+    assert sched.served["a"] - sched.placed["b"] == pytest.approx(RETURN_CREDIT)
+    assert step(sched) == [newcomer]
+    assert len(step(sched)) == 5
 
 
 def test_owners_served_alike_share_their_steps() -> None:
