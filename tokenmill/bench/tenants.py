@@ -187,7 +187,7 @@ async def _measure(url: str, model: str, args: argparse.Namespace) -> dict[str, 
             shares[other] = counted[other] / max(1, sum(counted.values()))
     return {"alone_ttft_p50": statistics.median(alone.ttft), "alone_ttft_p90": _p(alone.ttft, 90),
             "burst_ttft_p50": statistics.median(single.ttft), "burst_ttft_p90": _p(single.ttft, 90),
-            "burst_requests": len(single.ttft), "a_tokens_per_s": a_rate,
+            "alone_requests": len(alone.ttft), "burst_requests": len(single.ttft), "a_tokens_per_s": a_rate,
             "share_b_weight_1": shares["b"], "share_c_weight_w": shares["c"],
             "errors": alone.errors + single.errors + a_errors}
 
@@ -232,6 +232,8 @@ def main() -> None:
               f"{r['share_c_weight_w']:9.1%}")
     print(f"asked by the weights: 50.0% and {w / (1 + w):.1%}; A's tokens/s in the burst: "
           + ", ".join(f"{name} {r['a_tokens_per_s']:.0f}" for name, r in results.items()))
+    print("B's requests timed (a p90 of few moves between runs), alone and beside A: "
+          + ", ".join(f"{name} {r['alone_requests']} and {r['burst_requests']}" for name, r in results.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 
