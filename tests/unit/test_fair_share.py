@@ -99,6 +99,20 @@ def test_what_a_tenant_was_served_alone_is_not_held_against_it_when_another_come
     assert abs(generated["b"] / sum(generated.values()) - weight / (1 + weight)) < 0.05, generated
 
 
+def test_what_a_tenant_was_served_before_the_engine_emptied_is_not_held_against_it() -> None:
+    """a has the engine alone, its sequences end and the engine empties; then b and, after it, a arrive with
+    backlogs: they share alike from the start (a is not placed behind its old service, which nobody else wanted)."""
+    a, b = Owner("a"), Owner("b")
+    sched, ids = scheduler(max_num_seqs=8), iter(range(10**6))
+    backlogged_shares(sched, [a], 4 * FAIR_SHARE_HALF_LIFE // 8, ids)
+    for seq in [*sched.running, *sched.waiting]:
+        sched.finish(seq, "abort")
+    sched.add(make(next(ids), b, max_tokens=16))
+    generated = backlogged_shares(sched, [a, b], FAIR_SHARE_HALF_LIFE // 8, ids)
+    assert abs(generated["b"] / sum(generated.values()) - 0.5) < 0.05, generated
+    assert sched.served["a"] > sched.served["b"]  # the dashboard's shares still count what a was served alone
+
+
 def test_service_decays_so_an_old_burst_is_forgotten() -> None:
     a = Owner("a")
     sched = scheduler()
@@ -123,7 +137,7 @@ def test_memory_pressure_preempts_the_most_served_tenant_first() -> None:
     a_seqs = [make(i, a, prompt_len=4) for i in range(1, 4)]
     for seq in a_seqs:
         sched.add(seq)
-    sched.served["a"] = 1e6  # a has been served far more
+    sched.standing["a"] = 1e6  # a has been served far more
     step(sched)
     new_b = make(9, b, prompt_len=4)
     sched.add(new_b)
@@ -181,7 +195,7 @@ def test_a_tenant_returning_to_an_engine_long_busy_still_gets_a_step_of_its_own(
     assert sched.served["a"] > 8 * RETURN_CREDIT
     newcomer = make(9, b)
     sched.add(newcomer)
-    assert sched.served["a"] - sched.placed["b"] == pytest.approx(RETURN_CREDIT)
+    assert sched.standing["a"] - sched.standing["b"] == pytest.approx(RETURN_CREDIT)
     assert step(sched) == [newcomer]
     assert len(step(sched)) == 5
 

@@ -77,6 +77,11 @@ class KVReserver(Protocol):
     def cache(self, seq_id: int, tokens: list[int], salt: int = 0) -> None: ...
 
 
+def _decayed(counts: dict[str, float], decay: float) -> dict[str, float]:
+    """Each count times decay, those that come to nothing dropped."""
+    return {name: value * decay for name, value in counts.items() if value * decay > 1e-3}
+
+
 def check_stop(seq: Sequence, token: int, eos_token_ids: set[int] | frozenset[int], max_model_len: int) -> str | None:
     """The finish reason a just-appended token gives its sequence, by token alone (stop strings are text: the
     engine's output side checks them)."""
@@ -106,12 +111,14 @@ class Scheduler:
         self.stats = SchedulerStats()
         # Sequences whose batch failed: each runs alone until one of its steps succeeds, to find the culprit.
         self.isolated: deque[Sequence] = deque()
-        # Tokens each owner (a tenant) was served recently, decaying as the engine serves anyone, and its weight:
-        # the fair share admits the least served (against its weight) first and preempts the most served first.
+        # Tokens each owner (a tenant) was served recently, decaying as the engine serves anyone (its share, as the
+        # dashboard shows it), and its weight.
         self.served: dict[str, float] = {}
         self.weights: dict[str, float] = {}
-        # Service owners are deemed to have had on their return (add), on top of what they had, decaying alike.
-        self.placed: dict[str, float] = {}
+        # What the fair share weighs: the same count, but raised for an owner that returns while others have work
+        # (_place) and forgotten when the engine empties (service nobody else wanted is owed to nobody). The least
+        # standing (against its weight) is admitted first, the most preempted first.
+        self.standing: dict[str, float] = {}
         self._newcomers: set[str] = set()  # owners of the sequences this step admits for the first time
         self.decodes = 0  # decodes scheduled so far: each one's turn (Sequence.decode_turn)
         # Seconds a decode costs in a step of decodes (the step's time over its rows, a running mean; None until a
@@ -124,18 +131,21 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _place(self, owner: Owner) -> None:
-        """An owner with nothing in the engine returns: its standing is raised to RETURN_CREDIT below the least
-        served owner with work (against the weights), where it was lower."""
-        if not self.served:  # nobody was served lately (or a server without tenants): nothing to be level with
+        """An owner with nothing in the engine arrives: at an empty engine everyone starts level (standing
+        forgotten); beside others, its standing is raised to RETURN_CREDIT below the least of theirs (against the
+        weights), where it was lower."""
+        if not self.standing:  # nobody was served lately (or a server without tenants): nothing to be level with
             return
         active = {seq.owner.name for seq in (*self.running, *self.waiting)}
-        if owner.name in active or not active:
+        if not active:
+            self.standing.clear()
+            return
+        if owner.name in active:
             return
         self.weights[owner.name] = owner.weight
-        level = (min(map(self._served, active)) - RETURN_CREDIT) * owner.weight
-        had = self.served.get(owner.name, 0.0) + self.placed.get(owner.name, 0.0)
-        if level > had:
-            self.placed[owner.name] = self.placed.get(owner.name, 0.0) + level - had
+        level = (min(map(self._standing, active)) - RETURN_CREDIT) * owner.weight
+        if level > self.standing.get(owner.name, 0.0):
+            self.standing[owner.name] = level
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -202,7 +212,7 @@ class Scheduler:
         owners |= {name for name, served in self.served.items() if served >= 1.0}
         if len(owners) < 2:
             return set()
-        decodes.sort(key=lambda seq: (self._served(seq.owner.name), seq.decode_turn))
+        decodes.sort(key=lambda seq: (self._standing(seq.owner.name), seq.decode_turn))
         return {seq.seq_id for seq in decodes[fit:]}
 
     def time_decodes(self, plan: list[ScheduledSequence], seconds: float) -> None:
@@ -272,7 +282,7 @@ class Scheduler:
             queues.setdefault(seq.owner.name, deque()).append(seq)
         if len(queues) < 2:
             return list(self.waiting)
-        projected = {name: self._served(name, queue[0].owner.weight) for name, queue in queues.items()}
+        projected = {name: self._standing(name, queue[0].owner.weight) for name, queue in queues.items()}
         order = []
         while queues:
             name = min(queues, key=projected.__getitem__)  # ties: the owner whose oldest came first
@@ -294,8 +304,8 @@ class Scheduler:
             return plan
         favoured = set()
         for name in self._newcomers:
-            mine = self._served(name)
-            if min(self._served(other) for other in owners - {name}) - mine > min(mine, RETURN_CREDIT / 2):
+            mine = self._standing(name)
+            if min(self._standing(other) for other in owners - {name}) - mine > min(mine, RETURN_CREDIT / 2):
                 favoured.add(name)
         return [item for item in plan if item.seq.owner.name in favoured] if favoured else plan
 
@@ -304,12 +314,13 @@ class Scheduler:
         most (against its weight)."""
         if not self.config.fair_share or len({seq.owner.name for seq in self.running}) < 2:
             return self.running[-1]
-        most = max((seq.owner.name for seq in self.running), key=self._served)
+        most = max((seq.owner.name for seq in self.running), key=self._standing)
         return next(seq for seq in reversed(self.running) if seq.owner.name == most)
 
     def shares(self) -> list[dict[str, object]]:
         """Each owner with work or recent service: its sequences running and waiting, its weight, and its share of
-        the tokens served recently (the fair share's measure; a glance from another thread)."""
+        the tokens served recently (a glance from another thread; the fair share weighs standing, which differs where
+        an owner returned or the engine emptied)."""
         owners: dict[str, dict[str, object]] = {}
         for state, group in (("running", tuple(self.running)), ("waiting", tuple(self.waiting))):
             for seq in group:
@@ -331,21 +342,21 @@ class Scheduler:
             return
         ran = sum(item.num_tokens for item in plan)
         decay = 0.5 ** (ran / FAIR_SHARE_HALF_LIFE)
-        served = {name: value * decay for name, value in self.served.items() if value * decay > 1e-3}
-        self.placed = {name: value * decay for name, value in self.placed.items() if value * decay > 1e-3}
+        # New dicts, filled and then set: shares() reads served from another thread.
+        served, standing = _decayed(self.served, decay), _decayed(self.standing, decay)
         for item in plan:
             owner = item.seq.owner
-            served[owner.name] = served.get(owner.name, 0.0) + item.num_tokens
+            for counts in (served, standing):
+                counts[owner.name] = counts.get(owner.name, 0.0) + item.num_tokens
             self.weights[owner.name] = owner.weight
-        self.served = served
+        self.served, self.standing = served, standing
         if len(self.weights) > 2 * len(served) + 16:  # forget the weights of owners long gone
-            self.weights = {name: self.weights[name] for name in served.keys() | self.placed.keys()}
+            self.weights = {name: self.weights[name] for name in served.keys() | standing.keys()}
 
-    def _served(self, name: str, weight: float | None = None) -> float:
-        """An owner's standing: its recent service, and what it was placed at on its return, against its weight
-        (the one it was last served with, where not given)."""
+    def _standing(self, name: str, weight: float | None = None) -> float:
+        """An owner's standing against its weight (the one it was last served with, where not given)."""
         weight = self.weights.get(name, 1.0) if weight is None else weight
-        return (self.served.get(name, 0.0) + self.placed.get(name, 0.0)) / weight
+        return self.standing.get(name, 0.0) / weight
 
     def _alone(self, seq: Sequence, plan: list[ScheduledSequence], budget: _Budget) -> int:
         """Whole prompts only, and the first in the queue does not fit beside this step's decodes: it runs alone,
