@@ -7,8 +7,12 @@
   each one's share of the tokens generated in that time, against the share its weight asks for (weights 1:1 and
   1:W, --weight).
 
-    python -m tokenmill.bench.tenants MODEL [--streams 48] [--backlog 64] [--seconds 30] [--weight 3] \
-        [--shared-step-ms 25] [-- FLAGS]
+The defaults are issue 52's measure: a minute a phase, and B's answers short enough (16 tokens) that each p90 at
+--shared-step-ms 25 is of more than 100 requests on a 2-core machine (of 6 to 30, it moved by half between runs).
+--shared-step-ms 0 leaves that server out. About 16 minutes in all.
+
+    python -m tokenmill.bench.tenants MODEL [--streams 48] [--backlog 64] [--seconds 60] [--weight 3] \
+        [--max-tokens 16] [--shared-step-ms 25] [-- FLAGS]
 
 FLAGS go to `tokenmill serve` as they are (e.g. --dtype float32). Prints one table; --json writes the numbers.
 """
@@ -198,12 +202,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=48, help="tenant A's streams in the burst (default: 48)")
     parser.add_argument("--backlog", type=int, default=64, help="streams each tenant keeps in flight in the "
                         "backlog (default: 64)")
-    parser.add_argument("--seconds", type=float, default=30.0, help="each phase's length (default: 30)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="each phase's length (default: 60)")
     parser.add_argument("--weight", type=float, default=3.0, help="tenant C's weight against A's 1 (default: 3)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="about this many (default: 64)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tenant B's answers (default: 32)")
-    parser.add_argument("--shared-step-ms", type=float, default=0.0, help="also a server with the fair share and "
-                        "--shared-step-ms this (default: 0, none)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tenant B's answers (default: 16)")
+    parser.add_argument("--shared-step-ms", type=float, default=25.0, help="also a server with the fair share and "
+                        "--shared-step-ms this (default: 25; 0: none)")
     parser.add_argument("--json", help="write the numbers here")
     parser.add_argument("flags", nargs="*", help="after --: flags for `tokenmill serve`")
     args = parser.parse_args()
