@@ -129,9 +129,13 @@ def parse_keys(text: str, path: Path) -> tuple[dict[str, Tenant], dict[str, str]
     entries = data.get("keys", [])
     if not isinstance(entries, list):
         raise where.error("keys: an array of tables, [[keys]]", r"keys\s*=")
+    # [[keys]] tables, each on lines of its own; or an inline array, `keys = [...]`, all on its line
+    inline = not any(re.match(r"\s*\[\[\s*keys\s*\]\]", line) for line in where.lines)
     for i, entry in enumerate(entries):
         def fault(message: str, i: int = i) -> ConfigError:
-            return where.error(f"keys entry {i + 1}: {message}", r"\[\[keys\]\]", nth=i)
+            if inline:
+                return where.error(f"keys entry {i + 1}: {message}", r"keys\s*=")
+            return where.error(f"keys entry {i + 1}: {message}", r"\[\[\s*keys\s*\]\]", nth=i)
         if not isinstance(entry, dict):
             raise fault("a table")
         if extra := set(entry) - {"tenant", "sha256", "created", "label"}:
@@ -155,8 +159,8 @@ def _tenant(name: str, table: Any, where: _Locator) -> Tenant:
 
     if not _NAME.fullmatch(name):
         raise fault("a tenant's name is 1 to 64 letters, digits, '_', '.' or '-'")
-    if not isinstance(table, dict):
-        raise fault("a table")
+    if not isinstance(table, dict):  # `NAME = ...` under [tenants]
+        raise where.error(f"tenants.{name}: a table, [tenants.{name}]", r"\[\s*tenants\s*\]", key=name)
     if extra := set(table) - _FIELDS:
         raise fault(f"unknown setting (known: {', '.join(sorted(_FIELDS))})", sorted(extra)[0])
     for key in _LIMITS:
@@ -216,9 +220,7 @@ def add_key(path: Path, tenant: str, role: str = "user") -> str:
         raise ConfigError(f"{ADMIN_TENANT!r} is the name of --api-key's tenant; choose another")
     key = new_key()
     text = path.read_text() if path.exists() else ""
-    added = "" if not text or text.endswith("\n") else "\n"
-    if tenant not in tenants:
-        added += f'\n[tenants.{tenant}]\nrole = "{role}"\n'
+    added = f'\n[tenants.{tenant}]\nrole = "{role}"\n' if tenant not in tenants else ""
     added += (f'\n[[keys]]\ntenant = "{tenant}"\nsha256 = "{hash_key(key)}"\n'
               f'created = "{datetime.date.today().isoformat()}"\n')
     parse_keys(text + added, path)  # what is written reads back

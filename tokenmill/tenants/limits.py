@@ -156,5 +156,6 @@ class Limiter:
             limits = self._tenants.get(tenant.name)
             if limits is None:
                 limits = self._tenants[tenant.name] = TenantLimits(tenant, self.clock)
-            limits.tenant = tenant  # the settings of the newest read of the file
+            else:
+                limits.tenant = tenant  # the settings of the newest read of the file
             return limits
