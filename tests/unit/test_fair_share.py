@@ -128,25 +128,42 @@ def test_service_decays_so_an_old_burst_is_forgotten() -> None:
     assert abs(sum(entry["share"] for entry in sched.shares()) - 1) < 1e-3
 
 
-def test_memory_pressure_preempts_the_most_served_tenant_first() -> None:
-    a, b = Owner("a"), Owner("b")
-    sched = scheduler(num_blocks=8, max_num_seqs=8)
-    old_b = make(0, b, prompt_len=4)
-    sched.add(old_b)
-    step(sched)
-    a_seqs = [make(i, a, prompt_len=4) for i in range(1, 4)]
-    for seq in a_seqs:
-        sched.add(seq)
-    sched.standing["a"] = 1e6  # a has been served far more
-    step(sched)
-    new_b = make(9, b, prompt_len=4)
-    sched.add(new_b)
+def run_until_preempted(sched: Scheduler) -> None:
     for _ in range(40):  # decodes grow until blocks run out
         step(sched)
         if sched.stats.preemptions:
-            break
-    assert sched.stats.preemptions
-    assert old_b.status == Status.RUNNING and any(seq.status == Status.WAITING for seq in a_seqs)
+            return
+    raise AssertionError("nobody was preempted")
+
+
+def test_memory_pressure_preempts_the_most_served_tenant_first() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(num_blocks=8, max_num_seqs=8)
+    a_seqs = [make(i, a, prompt_len=4) for i in range(3)]
+    for seq in a_seqs:
+        sched.add(seq)
+    step(sched)
+    sched.add(b_seq := make(9, b, prompt_len=4))
+    step(sched)
+    sched.standing["a"] = 1e6  # a has been served far more
+    run_until_preempted(sched)
+    assert b_seq.status == Status.RUNNING  # though the newest
+    assert any(seq.status == Status.WAITING for seq in a_seqs)
+
+
+def test_the_most_served_is_reckoned_against_its_weight() -> None:
+    heavy, light = Owner("heavy", weight=4.0), Owner("light")
+    sched = scheduler(num_blocks=8, max_num_seqs=8)
+    sched.add(light_seq := make(0, light, prompt_len=4))
+    step(sched)
+    heavy_seqs = [make(i, heavy, prompt_len=4) for i in range(1, 4)]
+    for seq in heavy_seqs:
+        sched.add(seq)
+    step(sched)
+    sched.standing.update(heavy=1000.0, light=400.0)  # 250 against its weight of 4: light was served more
+    run_until_preempted(sched)
+    assert light_seq.status == Status.WAITING  # though the oldest
+    assert any(seq.status == Status.RUNNING for seq in heavy_seqs)
 
 
 def test_a_quota_that_runs_out_ends_the_sequence_without_the_token() -> None:
@@ -210,7 +227,38 @@ def test_owners_served_alike_share_their_steps() -> None:
         step(sched)
     late = make(20, b)
     sched.add(late)
-    assert late in step(sched) and len(sched.running) == 5  # b was served as much as a: no step of its own
+    assert len(step(sched)) == 5 and late in sched.running  # b was served as much as a: no step of its own
+
+
+@pytest.mark.parametrize("a_standing", [1028.0, 1000.0])
+def test_a_newcomer_served_about_as_much_as_the_others_shares_their_step(a_standing: float) -> None:
+    """b comes back 100 or 128 tokens behind a, more than RETURN_CREDIT / 2 never: its prompt runs beside a's
+    decodes."""
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(max_num_seqs=8)
+    for i in range(4):
+        sched.add(make(i, a))
+    for _ in range(3):
+        step(sched)
+    sched.standing.update(a=a_standing, b=900.0)
+    sched.add(make(9, b))
+    assert sched.standing["b"] == 900.0  # already above where _place would level it
+    assert len(step(sched)) == 5
+
+
+def test_a_returning_tenant_served_more_than_the_others_keeps_its_standing() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(max_num_seqs=8)
+    for i in range(4):
+        sched.add(make(i, a))
+    step(sched)
+    sched.standing.update(a=500.0, b=5000.0)  # b was served much more, and has nothing in the engine now
+    sched.weights["b"] = 1.0
+    sched.add(late := make(9, b))
+    assert sched.standing["b"] == 5000.0  # not forgiven down to a's level
+    for i in range(10, 13):
+        sched.add(make(i, a))
+    assert sched._admission_order()[-1] is late  # a's later requests come first
 
 
 def shared_steps(decode_ms: float, **config) -> Scheduler:
@@ -239,6 +287,29 @@ def test_while_tenants_share_a_step_decodes_what_fits_in_its_time_the_least_serv
             if seq is not late:
                 runs[seq.seq_id] += 1
     assert sorted(runs.values()) == [3] * 10  # a's decodes in turns: 30 decodes, 3 each
+
+
+def test_a_decode_longer_than_the_shared_step_still_runs_one_a_step() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = shared_steps(25.0)  # not even one decode fits in 10 ms
+    for i in range(6):
+        sched.add(make(i, a))
+    sched.add(make(9, b))
+    step(sched)
+    step(sched)
+    assert [len(step(sched)) for _ in range(4)] == [1] * 4
+
+
+def test_a_tenant_waiting_for_a_slot_keeps_the_steps_short_before_it_was_ever_served() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(max_num_seqs=10, shared_step_ms=10.0)
+    for i in range(10):
+        sched.add(make(i, a))
+    assert len(step(sched)) == 10  # the prompts
+    sched.decode_seconds = 0.0025  # 4 decodes fit in 10 ms
+    assert len(step(sched)) == 10  # a alone: every decode
+    sched.add(waiting := make(20, b))  # no slot for it: it waits, never served
+    assert len(step(sched)) == 4 and waiting in sched.waiting
 
 
 def test_a_tenant_served_recently_keeps_the_steps_short_between_its_requests() -> None:
@@ -287,3 +358,83 @@ def test_a_shared_step_time_that_is_no_time_is_refused(value: float) -> None:
     with pytest.raises(ConfigError, match="^--shared-step-ms .*: 0 \\(off\\) or a positive number of ms$"):
         EngineConfig(shared_step_ms=value).check()
     EngineConfig(shared_step_ms=25.0).check()
+
+
+def test_the_dashboard_s_shares_name_each_tenant_with_work_or_recent_service() -> None:
+    zed, amy = Owner("zed", weight=2.0), Owner("amy")
+    sched = scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add(make(i, zed))
+    sched.add(make(3, amy))
+    step(sched)  # zed's first and amy's run (turns), zed's other two wait
+    sched.served = {"zed": 2.0, "max": 1.0}  # max was served lately and has nothing in the engine now
+    sched.weights["max"] = 3.0
+    assert sched.shares() == [
+        {"tenant": "amy", "running": 1, "waiting": 0, "weight": 1.0, "share": 0.0},
+        {"tenant": "max", "running": 0, "waiting": 0, "weight": 3.0, "share": 0.3333},
+        {"tenant": "zed", "running": 1, "waiting": 2, "weight": 2.0, "share": 0.6667},
+    ]
+
+
+def test_a_step_counts_each_tenant_s_tokens_and_nothing_for_a_server_without_tenants() -> None:
+    sched = scheduler()
+    sched.add(make(0, Owner("a"), prompt_len=100))
+    step(sched)
+    assert sched.served == sched.standing == {"a": 100.0}
+    nameless = scheduler()
+    nameless.add(make(0, Owner(), prompt_len=100))
+    for _ in range(3):
+        step(nameless)
+    assert nameless.served == {} and nameless.shares() == [
+        {"tenant": "", "running": 1, "waiting": 0, "weight": 1.0, "share": 0.0}]
+
+
+def test_the_weights_of_tenants_long_gone_are_forgotten() -> None:
+    sched = scheduler(max_num_seqs=8)
+    for i in range(40):
+        seq = make(i, Owner(f"t{i}", weight=2.0))
+        sched.add(seq)
+        step(sched)
+        sched.finish(seq, "stop")
+    assert len(sched.weights) > 20
+    stayer = Owner("stayer")
+    for i in range(8):
+        sched.add(make(100 + i, stayer, max_tokens=10**6))
+    for _ in range(14 * FAIR_SHARE_HALF_LIFE // 8):  # 14 half-lives: the others' few tokens decay away
+        step(sched)
+    assert sched.weights == {"stayer": 1.0} and [entry["tenant"] for entry in sched.shares()] == ["stayer"]
+
+
+def test_without_the_fair_share_a_newcomer_s_prompt_runs_beside_everyone_s_decodes() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(max_num_seqs=8, fair_share=False)
+    for i in range(4):
+        sched.add(make(i, a))
+    for _ in range(10):
+        step(sched)
+    sched.add(make(9, b))
+    assert len(step(sched)) == 5
+
+
+def test_admission_takes_turns_by_the_service_each_tenant_s_admitted_prompts_will_add() -> None:
+    """Both level, heavy (weight 2) and light with prompts of 10: each admitted prompt adds 10 tokens against the
+    weight, so heavy comes twice as often."""
+    heavy, light = Owner("heavy", weight=2.0), Owner("light")
+    sched = scheduler()
+    for i in range(4):
+        sched.add(make(i, heavy, prompt_len=10))
+        sched.add(make(10 + i, light, prompt_len=10))
+    order = [seq.owner.name for seq in sched._admission_order()]
+    assert order[:6] == ["heavy", "light", "heavy", "heavy", "light", "heavy"]
+
+
+def test_a_weight_changed_by_a_reload_counts_from_the_tenant_s_next_request() -> None:
+    a, b = Owner("a"), Owner("b")
+    sched = scheduler(max_num_seqs=8)
+    sched.add(make(0, a))
+    sched.add(make(1, b))
+    step(sched)
+    sched.standing.update(a=1000.0, b=1500.0)  # b served more, at its weight of 1
+    sched.add(make(2, a))
+    sched.add(make(3, Owner("b", weight=2.0)))  # the keys file now gives b a weight of 2: 750 against it
+    assert [seq.owner.name for seq in sched._admission_order()] == ["b", "a"]

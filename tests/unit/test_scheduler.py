@@ -578,3 +578,30 @@ def test_a_draft_runs_after_its_decode_token_within_the_budget_and_never_preempt
     assert [(p.seq.seq_id, p.num_tokens, p.draft) for p in plan] == [(0, 1, []), (1, 1, [])]
     assert sched.stats.preemptions == 0
 
+
+
+def salted(seq: Sequence, salt: int) -> Sequence:
+    seq.cache_salt = salt
+    return seq
+
+
+def admitted(sched: Scheduler, seq: Sequence) -> int:
+    """Add seq and step until it runs: the tokens its prompt found cached."""
+    sched.add(seq)
+    while seq.num_cached_tokens is None:
+        step(sched)
+    return seq.num_cached_tokens
+
+
+def test_a_prompt_is_shared_only_under_its_own_salt() -> None:
+    """Each tenant's (or adapter's) prefix-cache namespace: its KV, cached as the prompt runs and when it
+    finishes, and looked up at admission, is found only by sequences of the same salt."""
+    sched, kv = prefix_scheduler(max_num_batched_tokens=7)
+    sched.add(first := salted(make(0, 0, prompt=tokens(10, 13), max_tokens=20), 1))
+    assert step(sched) == [(0, 7)] and step(sched) == [(0, 6)]  # the prompt, cached chunk by chunk
+    assert admitted(sched, salted(make(1, 0, prompt=tokens(10, 12) + [99]), 2)) == 0
+    assert admitted(sched, salted(make(2, 0, prompt=tokens(10, 12) + [99]), 1)) == 12
+    sched.finish(first, "stop")  # what it computed beyond its prompt is cached under its salt too
+    longer = first.tokens(0, 16) + [99]
+    assert admitted(sched, salted(make(3, 0, prompt=longer), 2)) == 12  # only the 12 that 1 cached under 2
+    assert admitted(sched, salted(make(4, 0, prompt=longer), 1)) == 16
