@@ -38,6 +38,7 @@ TARGETS = {
     "tenant_limits": Target("tokenmill/tenants/limits.py", ("tests/unit/test_tenants.py",
                                                            "tests/unit/test_guards.py")),
     "usage": Target("tokenmill/tenants/usage.py", ("tests/unit/test_tenants.py",)),
+    "tenancy": Target("tokenmill/tenants/tenancy.py", ("tests/unit/test_tenants.py", "tests/unit/test_guards.py")),
     "hf_quant": Target("tokenmill/loader/hf_quant.py", ("tests/model/test_hf_quantized.py",)),
     "kv_quant": Target("tokenmill/layers/kv_quant.py", ("tests/unit/test_kv_quant.py",)),
     "sharding": Target("tokenmill/parallel/sharding.py", ("tests/unit/test_parallel.py",)),

@@ -94,8 +94,9 @@ HASH = "'" + "0" * 64 + "'"
     ("[tenants.a]\n[tenants.b]\n[[keys]]\ntenant='a'\nsha256='" + "1" * 64 + "'\n[[ keys ]]\ntenant='b'\n"
      "sha256='" + "1" * 64 + "'\n", "line 6: keys entry 2: the same key hash is also a's"),
     ("[tenant.a]\n", "line 1: unknown table or key 'tenant': the file holds [tenants.NAME] tables and [[keys]]"),
-    ("[tenants.a]\nrole = 'user'\n[tenants.a.limits]\nx = 1\n", "line 1: tenants.a.limits: unknown setting (known: "
-     "cache_group, max_concurrent_requests, max_tokens, models, requests_per_minute, role, tokens_per_minute, weight)"),
+    ("[tenants.a]\nrole = 'user'\n[tenants.a.limits]\nx = 1\n[tenants.b]\nlimits = 2\n", "line 1: tenants.a.limits: "
+     "unknown setting (known: cache_group, max_concurrent_requests, max_tokens, models, requests_per_minute, role, "
+     "tokens_per_minute, weight)"),
 ])
 def test_a_mistake_in_the_keys_file_is_named_with_its_line(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "keys.toml"
@@ -122,6 +123,10 @@ def test_a_keys_file_that_cannot_be_read_or_takes_the_admin_s_name_is_refused(tm
         KeyRing.of(taken, admin_keys=("k",))
     assert str(named.value) == f"{taken}: tenants.admin is the name of --api-key's tenant; choose another"
     assert KeyRing.of(taken).tenants == {"admin": Tenant("admin")}  # the name is free without --api-key
+    taken.write_text("[tenants.a]\nweight = 0\n")
+    with pytest.raises(ConfigError) as mistaken:
+        KeyRing.of(taken)
+    assert str(mistaken.value) == f"{taken}, line 2: tenants.a.weight: a number above 0, at most 1000"
     alone = KeyRing.of(None, admin_keys=("k",))  # --api-key without a file
     assert alone.tenants == {"admin": Tenant("admin", role="admin")} and alone.authenticate("k").admin
 
@@ -362,7 +367,8 @@ def test_usage_a_flush_could_not_write_is_kept_and_written_by_the_next(tmp_path:
     with sqlite3.connect(path) as db:  # every write fails, as on a full disk
         db.execute("CREATE TRIGGER full BEFORE INSERT ON usage BEGIN SELECT RAISE(ABORT, 'disk full'); END")
     ledger.flush()
-    assert "usage not written (disk full): kept in memory" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == ["usage not written (disk full): kept in memory, tried again "
+                                                        "next time"]
     with sqlite3.connect(path) as db:
         db.execute("DROP TRIGGER full")
     ledger.record("a", "m", Usage(1, 1, 0, 1))
