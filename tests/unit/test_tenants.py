@@ -3,6 +3,7 @@ value and one past it, and the usage ledger across a restart."""
 
 from __future__ import annotations
 
+import logging
 import math
 import sqlite3
 import threading
@@ -391,3 +392,26 @@ def test_a_usage_store_that_cannot_be_opened_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as raised:
         UsageLedger(tmp_path)  # a folder
     assert str(raised.value).startswith(f"--responses-store {tmp_path}: cannot keep usage in it: ")
+
+
+def test_a_reload_keeps_the_api_key_s_admin_and_says_what_it_read(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tokenmill.tenants.tenancy")
+    path = tmp_path / "keys.toml"
+    path.write_text(GOOD)
+    tenancy = Tenancy(path, admin_keys=("flag-key",))
+    tenancy.reload_if_changed()
+    assert caplog.records == []  # nothing changed: nothing read
+    assert tenancy.reload() is True
+    assert [r.getMessage() for r in caplog.records] == [f"keys reloaded from {path}: 3 tenants, 3 keys"]
+    assert tenancy.authenticate("flag-key").admin and tenancy.authenticate("alice-key").name == "alice"
+    caplog.clear()
+    broken = GOOD + "\n[tenants.eve]\nweight = -1\n"
+    path.write_text(broken)
+    assert tenancy.reload() is False
+    line = broken.splitlines().index("weight = -1") + 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the keys file was not reloaded, the keys read before stay in force: {path}, line {line}: tenants.eve.weight: "
+        "a number above 0, at most 1000"]
+    assert tenancy.authenticate("flag-key").admin
+    assert Tenancy(None).ledger.totals() == {}  # usage kept in memory where no store is given
