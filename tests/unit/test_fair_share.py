@@ -232,8 +232,8 @@ def test_owners_served_alike_share_their_steps() -> None:
 
 @pytest.mark.parametrize("a_standing", [1028.0, 1000.0])
 def test_a_newcomer_served_about_as_much_as_the_others_shares_their_step(a_standing: float) -> None:
-    """b comes back 100 or 128 tokens behind a, more than RETURN_CREDIT / 2 never: its prompt runs beside a's
-    decodes."""
+    """b comes back 100 or 128 tokens behind a: no more than half of RETURN_CREDIT, so its prompt runs beside a's
+    decodes, not in a step of its own."""
     a, b = Owner("a"), Owner("b")
     sched = scheduler(max_num_seqs=8)
     for i in range(4):
