@@ -605,3 +605,67 @@ def test_a_prompt_is_shared_only_under_its_own_salt() -> None:
     longer = first.tokens(0, 16) + [99]
     assert admitted(sched, salted(make(3, 0, prompt=longer), 2)) == 12  # only the 12 that 1 cached under 2
     assert admitted(sched, salted(make(4, 0, prompt=longer), 1)) == 16
+
+
+def test_a_step_s_tokens_must_match_its_sampled_sequences() -> None:
+    sched, _ = scheduler()
+    for i in range(2):
+        sched.add(make(i, 4))
+    plan = sched.schedule()
+    with pytest.raises(ValueError):
+        sched.update(plan, [[5]])  # two sequences sampled, one token list: never silently dropped
+
+
+def test_a_quota_that_runs_out_ends_its_sequence_and_no_other_in_the_step() -> None:
+    from tokenmill.engine.request import Owner  # the fair share's owners; here only the quota matters
+
+    class Empty:
+        def take(self, tokens: int) -> bool:
+            return False
+
+    sched, kv = scheduler()
+    broke = Sequence(seq_id=0, prompt_ids=[1] * 4, params=SamplingParams(max_tokens=8), detokenizer=None,
+                     sink=lambda _: None, owner=Owner("a", quota=Empty()))
+    other = make(1, 4)
+    sched.add(broke)
+    sched.add(other)
+    plan = sched.schedule()
+    assert sched.update(plan, [[5], [6]]) == [broke]
+    assert broke.finish_reason == "quota" and broke.output_ids == [] and other.output_ids == [6]
+    assert kv.num_sequences == 1  # the one that ended gave its KV back
+
+
+def test_a_finished_sequence_keeps_its_reason_unless_its_last_output_then_failed() -> None:
+    sched, _ = scheduler()
+    for reason, then, final in (("stop", "abort", "stop"), ("stop", "error", "error"), ("length", "stop", "length")):
+        seq = make(0, 4)
+        sched.add(seq)
+        step(sched)
+        sched.finish(seq, reason)
+        sched.finish(seq, then)
+        assert seq.finish_reason == final and seq.status == Status.FINISHED
+
+
+def test_without_an_attention_crossover_every_prompt_token_weighs_one() -> None:
+    kv = PagedKVCache(TINY, CPU, 100, BLOCK)
+    sched = Scheduler(EngineConfig(), kv, max_model_len=4096)
+    seq = make(0, 3000)
+    seq.num_computed_tokens = 2000
+    assert sched._token_weight(seq) == 1.0
+
+
+def test_admission_waits_for_a_step_that_had_to_preempt_even_where_a_later_sequence_did_not() -> None:
+    from tokenmill.engine.request import Owner
+
+    sched, kv = scheduler(num_blocks=4, max_num_seqs=4)
+    first, second, third = make(0, 4, max_tokens=20), make(1, 1, max_tokens=20), make(2, 5, max_tokens=20)
+    for seq in (first, second, third):
+        seq.owner = Owner("a")
+        sched.add(seq)
+    assert sorted(step(sched)) == [(0, 4), (1, 1), (2, 5)] and kv.pool.num_free == 0
+    late = make(3, 1)
+    late.owner = Owner("b")  # never served: first in the fair share's order, where there is room
+    sched.add(late)
+    plan = step(sched)  # first's 5th token needs a block: third (the newest) gives back two; second fits as it is
+    assert sched.stats.preemptions == 1 and third.status == Status.WAITING and kv.pool.num_free == 1
+    assert sorted(plan) == [(0, 1), (1, 1)] and late.status == Status.WAITING  # memory was short: nobody new this step
