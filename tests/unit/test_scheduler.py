@@ -669,3 +669,12 @@ def test_admission_waits_for_a_step_that_had_to_preempt_even_where_a_later_seque
     plan = step(sched)  # first's 5th token needs a block: third (the newest) gives back two; second fits as it is
     assert sched.stats.preemptions == 1 and third.status == Status.WAITING and kv.pool.num_free == 1
     assert sorted(plan) == [(0, 1), (1, 1)] and late.status == Status.WAITING  # memory was short: nobody new this step
+
+
+def test_a_whole_prompt_that_runs_alone_runs_only_what_its_prefix_hit_leaves() -> None:
+    sched, _ = prefix_scheduler(max_num_batched_tokens=16, chunked_prefill=False)
+    sched.add(first := make(0, 0, prompt=tokens(10, 14), max_tokens=20))
+    assert step(sched) == [(0, 14)]
+    sched.add(second := make(1, 0, prompt=tokens(10, 12) + tokens(100, 16)))  # 12 cached, 16 to run: no room
+    assert step(sched) == [(1, 16)] and second.num_cached_tokens == 12  # beside first's decode: it runs alone
+    assert first.status == Status.RUNNING and len(step(sched)) == 2
