@@ -35,13 +35,19 @@ def step(sched: Scheduler) -> list[Sequence]:
     return [item.seq for item in plan]
 
 
+def a_served(steps: int, max_tokens: int = 1000, **config) -> Scheduler:
+    """A scheduler that admitted tenant a's four sequences (ids 0 to 3) and ran them for `steps` steps."""
+    sched = scheduler(**config)
+    for i in range(4):
+        sched.add(make(i, Owner("a"), max_tokens=max_tokens))
+    for _ in range(steps):
+        step(sched)
+    return sched
+
+
 def test_a_tenant_with_a_backlog_does_not_keep_a_newcomer_waiting() -> None:
     a, b = Owner("a"), Owner("b")
-    sched = scheduler()
-    for i in range(4):
-        sched.add(make(i, a))
-    for _ in range(20):
-        step(sched)  # a's four fill the slots and are served for a while
+    sched = a_served(20)  # a's four fill the slots and are served for a while
     for i in range(4, 10):
         sched.add(make(i, a))  # a's backlog, queued first
     sched.add(make(10, b))
@@ -52,11 +58,7 @@ def test_a_tenant_with_a_backlog_does_not_keep_a_newcomer_waiting() -> None:
 
 def test_without_the_fair_share_the_queue_is_first_come_first_served() -> None:
     a, b = Owner("a"), Owner("b")
-    sched = scheduler(fair_share=False)
-    for i in range(4):
-        sched.add(make(i, a))
-    for _ in range(20):
-        step(sched)
+    sched = a_served(20, fair_share=False)
     for i in range(4, 10):
         sched.add(make(i, a))
     sched.add(make(10, b))
@@ -187,14 +189,8 @@ def test_a_quota_that_runs_out_ends_the_sequence_without_the_token() -> None:
 
 
 def test_a_newcomer_s_prompt_runs_in_a_step_of_its_own_once_and_then_with_everyone() -> None:
-    a, b = Owner("a"), Owner("b")
-    sched = scheduler(max_num_seqs=8)
-    a_seqs = [make(i, a) for i in range(4)]
-    for seq in a_seqs:
-        sched.add(seq)
-    for _ in range(10):
-        step(sched)
-    newcomer = make(9, b)
+    sched = a_served(10, max_num_seqs=8)
+    newcomer = make(9, Owner("b"))
     sched.add(newcomer)
     assert step(sched) == [newcomer]  # a's decodes wait this one step
     assert sorted(seq.seq_id for seq in step(sched)) == [0, 1, 2, 3, 9]
@@ -203,14 +199,10 @@ def test_a_newcomer_s_prompt_runs_in_a_step_of_its_own_once_and_then_with_everyo
 def test_a_tenant_returning_to_an_engine_long_busy_still_gets_a_step_of_its_own() -> None:
     """b is placed level with a, whose service is far past RETURN_CREDIT, less that credit: still served so much
     less that its prompt runs alone, once."""
-    a, b = Owner("a"), Owner("b")
-    sched = scheduler(num_blocks=4000, max_num_seqs=8)  # room for every token: nobody is preempted
-    for i in range(4):
-        sched.add(make(i, a, max_tokens=10**4))
-    for _ in range(FAIR_SHARE_HALF_LIFE // 4):
-        step(sched)
+    # room for every token: nobody is preempted
+    sched = a_served(FAIR_SHARE_HALF_LIFE // 4, max_tokens=10**4, num_blocks=4000, max_num_seqs=8)
     assert sched.served["a"] > 8 * RETURN_CREDIT
-    newcomer = make(9, b)
+    newcomer = make(9, Owner("b"))
     sched.add(newcomer)
     assert sched.standing["a"] - sched.standing["b"] == pytest.approx(RETURN_CREDIT)
     assert step(sched) == [newcomer]
@@ -234,24 +226,16 @@ def test_owners_served_alike_share_their_steps() -> None:
 def test_a_newcomer_served_about_as_much_as_the_others_shares_their_step(a_standing: float) -> None:
     """b comes back 100 or 128 tokens behind a: no more than half of RETURN_CREDIT, so its prompt runs beside a's
     decodes, not in a step of its own."""
-    a, b = Owner("a"), Owner("b")
-    sched = scheduler(max_num_seqs=8)
-    for i in range(4):
-        sched.add(make(i, a))
-    for _ in range(3):
-        step(sched)
+    sched = a_served(3, max_num_seqs=8)
     sched.standing.update(a=a_standing, b=900.0)
-    sched.add(make(9, b))
+    sched.add(make(9, Owner("b")))
     assert sched.standing["b"] == 900.0  # already above where _place would level it
     assert len(step(sched)) == 5
 
 
 def test_a_returning_tenant_served_more_than_the_others_keeps_its_standing() -> None:
     a, b = Owner("a"), Owner("b")
-    sched = scheduler(max_num_seqs=8)
-    for i in range(4):
-        sched.add(make(i, a))
-    step(sched)
+    sched = a_served(1, max_num_seqs=8)
     sched.standing.update(a=500.0, b=5000.0)  # b was served much more, and has nothing in the engine now
     sched.weights["b"] = 1.0
     sched.add(late := make(9, b))
@@ -406,13 +390,8 @@ def test_the_weights_of_tenants_long_gone_are_forgotten() -> None:
 
 
 def test_without_the_fair_share_a_newcomer_s_prompt_runs_beside_everyone_s_decodes() -> None:
-    a, b = Owner("a"), Owner("b")
-    sched = scheduler(max_num_seqs=8, fair_share=False)
-    for i in range(4):
-        sched.add(make(i, a))
-    for _ in range(10):
-        step(sched)
-    sched.add(make(9, b))
+    sched = a_served(10, max_num_seqs=8, fair_share=False)
+    sched.add(make(9, Owner("b")))
     assert len(step(sched)) == 5
 
 
