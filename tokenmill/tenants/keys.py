@@ -130,12 +130,12 @@ def parse_keys(text: str, path: Path) -> tuple[dict[str, Tenant], dict[str, str]
     if not isinstance(entries, list):
         raise where.error("keys: an array of tables, [[keys]]", r"keys\s*=")
     # [[keys]] tables, each on lines of its own; or an inline array, `keys = [...]`, all on its line
-    inline = not any(re.match(r"\s*\[\[\s*keys\s*\]\]", line) for line in where.lines)
+    keys_header = r"\[\[\s*keys\s*\]\]"
+    inline = not any(re.match(rf"\s*{keys_header}", line) for line in where.lines)
     for i, entry in enumerate(entries):
         def fault(message: str, i: int = i) -> ConfigError:
-            if inline:
-                return where.error(f"keys entry {i + 1}: {message}", r"keys\s*=")
-            return where.error(f"keys entry {i + 1}: {message}", r"\[\[\s*keys\s*\]\]", nth=i)
+            return where.error(f"keys entry {i + 1}: {message}", r"keys\s*=" if inline else keys_header,
+                               nth=0 if inline else i)
         if not isinstance(entry, dict):
             raise fault("a table")
         if extra := set(entry) - {"tenant", "sha256", "created", "label"}:
