@@ -20,18 +20,31 @@ from tokenmill.config import WeightPlan  # noqa: E402
 from tokenmill.loader import LoadedModel, load_model  # noqa: E402
 from tokenmill.loader.sources import pull  # noqa: E402
 
-UNIT, LEVELS = Path(__file__).parent / "unit", Path(__file__).parent / "paths"
+TESTS = Path(__file__).parent
+UNIT, LEVELS, MODEL, E2E = TESTS / "unit", TESTS / "paths", TESTS / "model", TESTS / "e2e"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fast tier (`bash scripts/dev.sh test -m fast`, the inner loop): every module's unit tests, those marked
-    slow (a real model against transformers, a compiler's whole run) aside. tests/paths goes first: it reruns the
-    kernel and fidelity tests at each lower CPU level for minutes, so one worker starts it while the others take the
-    rest."""
+    slow (a real model against transformers, a compiler's whole run) aside.
+
+    The files run longest first, as far as their place and marks tell: tests/paths (the kernel and fidelity tests
+    again at each lower CPU level, for minutes), then tests/model and every file with a slow test, then tests/e2e
+    (live servers), then the rest. The workers take files in this order (pytest-xdist's loadfile), so the last
+    minutes are many short files spread over them, not one worker finishing a long file while the others idle."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     for item in items:
-        if item.path.is_relative_to(UNIT) and item.get_closest_marker("slow") is None:
+        if item.path.is_relative_to(UNIT) and item.path not in slow_files:
             item.add_marker(pytest.mark.fast)
-    items.sort(key=lambda item: not item.path.is_relative_to(LEVELS))
+
+    def rank(item: pytest.Item) -> int:
+        if item.path.is_relative_to(LEVELS):
+            return 0
+        if item.path in slow_files or item.path.is_relative_to(MODEL):
+            return 1
+        return 2 if item.path.is_relative_to(E2E) else 3
+
+    items.sort(key=rank)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
