@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     minutes are many short files spread over them, not one worker finishing a long file while the others idle."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     for item in items:
-        if item.path.is_relative_to(UNIT) and item.path not in slow_files:
+        if item.path.is_relative_to(UNIT) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.fast)
 
     def rank(item: pytest.Item) -> int:
