@@ -31,11 +31,11 @@ from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.layers import kv_quant
 from tokenmill.layers.attention import AttentionMetadata, PagedMetadata
-from tokenmill.loader import LoadedModel, load_model
+from tokenmill.loader import LoadedModel, load_model, read_config
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.parallel.collectives import Group, GroupSpec, agree_min, join, new_spec
 from tokenmill.parallel.layers import all_reduce_partial_sums
-from tokenmill.parallel.sharding import Shard
+from tokenmill.parallel.sharding import Shard, check_shardable
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,9 @@ class TensorParallel:
 
 def start_rank0(config: EngineConfig) -> tuple[TensorParallel, LoadedModel]:
     """Spawn the workers, load rank 0's shard beside them, and agree on the KV pool (built by the caller from
-    config with agree=agree_min, as every worker builds its own)."""
+    config with agree=agree_min, as every worker builds its own). A model the ranks cannot split is refused before
+    any rank starts."""
+    check_shardable(read_config(config.model), config.tensor_parallel_size)
     tp = TensorParallel(config)
     try:
         torch.set_num_threads(rank_threads(config))

@@ -83,6 +83,16 @@ def _check_context(path: Path, config: ModelConfig, max_model_len: int | None, a
 DEFAULT_PLAN = WeightPlan()
 
 
+def read_config(model: str) -> ModelConfig:
+    """The model's architecture alone, its weights unread: what a check before loading needs."""
+    path = resolve(model)
+    if path.is_file():
+        return gguf_loader.model_config(gguf_loader.GGUFFile(path))
+    if (path / "config.json").exists():
+        return st_loader.model_config(path)
+    raise ModelFormatError(f"{path} is neither a GGUF file nor a folder with config.json")
+
+
 def load_model(model: str, plan: WeightPlan = DEFAULT_PLAN, max_model_len: int | None = None,
                max_model_len_cap: int = 8192, past_trained_context: bool = False,
                shard: Shard | None = None) -> LoadedModel:
