@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import pretend_cpu_flags, write_tiny_gguf  # noqa: E402
 
+from tokenmill import kernels  # noqa: E402
 from tokenmill.config import WeightPlan  # noqa: E402
 from tokenmill.loader import LoadedModel, load_model  # noqa: E402
 from tokenmill.loader.sources import pull  # noqa: E402
@@ -78,6 +79,18 @@ def smollm_path() -> Path:
 def smollm(smollm_path: Path) -> LoadedModel:
     """Dequantized to fp32 at load: the reference path, which transformers' numbers check."""
     return load_model(str(smollm_path), WeightPlan(dtype="float32", device=DEVICE, quantized=False))
+
+
+@pytest.fixture(scope="session")
+def smollm_exact(request: pytest.FixtureRequest, smollm_path: Path) -> LoadedModel:
+    """The default model kept quantized, in deterministic mode (its engines too: helpers.start_engine): each row's
+    numbers depend on that row alone, so the same requests run two ways (alone or in a batch, speculated, preempted,
+    from the prefix cache) give the same bits, at the served kernels' speed (a decode step in a fifth of the dense
+    fp32 reference's time). The tests of the engine's bookkeeping compare on it; those of the default kernels'
+    many-row paths keep `smollm`. Where the mode does not run (a GPU, no C++ kernels): `smollm`."""
+    if DEVICE != "cpu" or not kernels.load():
+        return request.getfixturevalue("smollm")
+    return load_model(str(smollm_path), WeightPlan(dtype="float32", device=DEVICE, deterministic=True))
 
 
 @pytest.fixture(scope="session")

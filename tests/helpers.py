@@ -398,8 +398,14 @@ def without_pdl_waits(monkeypatch: Any) -> None:
 UNFROZEN = {"freeze_gc": False}
 
 
+def like(loaded: LoadedModel | None) -> dict[str, object]:
+    """The engine settings the tests start with on `loaded`: UNFROZEN, and deterministic mode where the model was
+    loaded for it (None: the engine loads its model, as with tensor parallelism)."""
+    return {**UNFROZEN, **({"deterministic": True} if loaded is not None and loaded.deterministic else {})}
+
+
 def start_engine(loaded: LoadedModel, **config) -> Engine:
-    engine = Engine(EngineConfig(**{**UNFROZEN, **config}), loaded)
+    engine = Engine(EngineConfig(**{**like(loaded), **config}), loaded)
     engine.start()
     return engine
 
@@ -417,7 +423,7 @@ class ServerThread:
             self.pool = loaded
             self.pool.preload()
         else:
-            self.engine = Engine(EngineConfig(**{**UNFROZEN, **engine_config}), loaded)
+            self.engine = Engine(EngineConfig(**{**like(loaded), **engine_config}), loaded)
             self.pool = ModelPool.of_engine(self.engine, model_id)
         config = server_config or ServerConfig()
         # Not the user's cache: a store of this server's own, in a folder removed with this object (or at exit)

@@ -1,4 +1,6 @@
-"""Continuous batching on the real model: a request's tokens do not depend on its batch, its layout or preemption."""
+"""Continuous batching on the real model: a request's tokens do not depend on its batch, its layout or preemption
+(on the dense fp32 reference: the default kernels' many-row paths), and a request that fails ends alone (in
+deterministic mode on the served weights, `smollm_exact`, where the engine's bookkeeping is what is checked)."""
 
 from __future__ import annotations
 
@@ -75,15 +77,15 @@ def test_preemption_recomputes_to_the_same_tokens(smollm, prompt_ids, alone) -> 
     assert_preempted_to(smollm, prompt_ids, greedy(), alone, kv_cache_memory=str(10 * 16 * 46080), block_size=16)
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(smollm, prompt_ids) -> None:
+def test_seeded_sampling_does_not_depend_on_the_batch(smollm_exact, prompt_ids) -> None:
     params = [SamplingParams(max_tokens=TOKENS, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
               for i in range(len(prompt_ids))]
-    solo = run_batch(smollm, prompt_ids[:1], params[:1])
-    assert run_batch(smollm, prompt_ids, params)[0] == solo[0]
+    solo = run_batch(smollm_exact, prompt_ids[:1], params[:1])
+    assert run_batch(smollm_exact, prompt_ids, params)[0] == solo[0]
 
 
-def test_a_request_that_raises_fails_alone(smollm, prompt_ids, monkeypatch) -> None:
-    engine = start_engine(smollm)
+def test_a_request_that_raises_fails_alone(smollm_exact, prompt_ids, monkeypatch) -> None:
+    engine = start_engine(smollm_exact)
     sampler = engine.sampler
 
     def flaky(logits, seqs):
@@ -115,7 +117,7 @@ async def _collect(engine: Engine, prompts: list[list[int]],
 
 
 @pytest.mark.parametrize("fails_at", ["a middle token", "the last token"])
-def test_a_request_whose_text_fails_to_decode_fails_alone(smollm, prompt_ids, monkeypatch, fails_at: str) -> None:
+def test_a_request_whose_text_fails_to_decode_fails_alone(smollm_exact, prompt_ids, monkeypatch, fails_at: str) -> None:
     """A tokenizer's error on one sequence's tokens (the tokenizers library's stream raised on stray bytes) ends
     that request with an error, also where the step had just finished it, not the engine loop."""
     add_token = IncrementalDetokenizer.add_token
@@ -129,7 +131,7 @@ def test_a_request_whose_text_fails_to_decode_fails_alone(smollm, prompt_ids, mo
         add_token(self, token_id)
 
     monkeypatch.setattr(IncrementalDetokenizer, "add_token", failing)
-    engine = start_engine(smollm)
+    engine = start_engine(smollm_exact)
     try:
         params = [greedy() for _ in prompt_ids]
         params[2] = greedy(stop=["no such text"])
@@ -142,7 +144,7 @@ def test_a_request_whose_text_fails_to_decode_fails_alone(smollm, prompt_ids, mo
         engine.stop()
 
 
-def test_an_output_that_cannot_be_built_or_delivered_ends_its_sequence_alone(smollm, prompt_ids,
+def test_an_output_that_cannot_be_built_or_delivered_ends_its_sequence_alone(smollm_exact, prompt_ids,
                                                                             monkeypatch) -> None:
     """An output that raises while it is built (its prompt logprobs here) ends that request with an error; a sink
     that raises (the loop of a reader that left, closed) ends its sequence unseen. Before, either stopped the
@@ -155,7 +157,7 @@ def test_an_output_that_cannot_be_built_or_delivered_ends_its_sequence_alone(smo
         return prompt_logprobs(seq)
 
     monkeypatch.setattr(OutputProcessor, "_prompt_logprobs", staticmethod(failing))
-    engine = start_engine(smollm)
+    engine = start_engine(smollm_exact)
     try:
         delivered = []
 
@@ -177,7 +179,7 @@ def test_an_output_that_cannot_be_built_or_delivered_ends_its_sequence_alone(smo
         engine.stop()
 
 
-def test_a_sequence_that_cannot_be_added_fails_alone(smollm, prompt_ids, monkeypatch) -> None:
+def test_a_sequence_that_cannot_be_added_fails_alone(smollm_exact, prompt_ids, monkeypatch) -> None:
     """A sequence the engine cannot set up (here its random stream fails; a seed past 64 bits once did) ends with
     an error output and is counted out; the ones added beside it run, and the engine keeps serving. Before, the
     engine loop died on it and the server stopped."""
@@ -189,7 +191,7 @@ def test_a_sequence_that_cannot_be_added_fails_alone(smollm, prompt_ids, monkeyp
         return seeded(seed, device)
 
     monkeypatch.setattr(engine_module, "seeded_generator", failing)
-    engine = start_engine(smollm)
+    engine = start_engine(smollm_exact)
     try:
         params = [greedy() for _ in prompt_ids]
         params[1] = greedy(seed=666)
@@ -228,8 +230,8 @@ def test_prompt_logprobs_are_the_models_over_chunks_and_prefix_cache_hits(smollm
             assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()[:k]
 
 
-def test_a_request_that_can_never_fit_is_refused_before_it_queues(smollm, prompt_ids) -> None:
-    engine = start_engine(smollm, kv_cache_memory=str(4 * 16 * 46080), block_size=16)  # 64 tokens in all
+def test_a_request_that_can_never_fit_is_refused_before_it_queues(smollm_exact, prompt_ids) -> None:
+    engine = start_engine(smollm_exact, kv_cache_memory=str(4 * 16 * 46080), block_size=16)  # 64 tokens in all
     try:
         with pytest.raises(RequestError, match="64 tokens"):
             submit(engine, prompt_ids[3], SamplingParams(max_tokens=40))

@@ -1,8 +1,7 @@
 """A quantized KV cache on the real model (SmolLM2, fp32 compute): about twice bf16's tokens in the same memory,
 next-token distributions close to the bf16 cache's (its weights kept quantized, as served), and prefix hits,
-preemption and speculative decoding that keep the tokens of plain decoding under the same KV dtype (its weights
-dense: the reference path, whose rows are computed alike however a step batches them, as test_batching.py's
-equalities rest on)."""
+preemption and speculative decoding that keep the tokens of plain decoding under the same KV dtype (in deterministic
+mode, `smollm_exact`: a row's numbers do not depend on how a step batches it)."""
 
 from __future__ import annotations
 
@@ -82,35 +81,35 @@ def one_by_one(loaded: LoadedModel, prompts: list[list[int]], tokens: int = 16,
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_prefix_hits_keep_the_tokens(smollm: LoadedModel, kv: str) -> None:
-    base = smollm.tokenizer.encode(SYSTEM)
-    prompts = [base[:n] + smollm.tokenizer.encode(f" Question {n}: which river?") for n in
+def test_prefix_hits_keep_the_tokens(smollm_exact: LoadedModel, kv: str) -> None:
+    base = smollm_exact.tokenizer.encode(SYSTEM)
+    prompts = [base[:n] + smollm_exact.tokenizer.encode(f" Question {n}: which river?") for n in
                (15, 16, 17, 33, 48, len(base))]
     prompts += [prompts[-1]]
     # 8 tokens each: a cached prefix read back otherwise than it was written moves the first ones already
-    cached, hits = one_by_one(smollm, prompts, 8, kv_cache_dtype=kv)
-    uncached, _ = one_by_one(smollm, prompts, 8, kv_cache_dtype=kv, prefix_caching=False)
+    cached, hits = one_by_one(smollm_exact, prompts, 8, kv_cache_dtype=kv)
+    uncached, _ = one_by_one(smollm_exact, prompts, 8, kv_cache_dtype=kv, prefix_caching=False)
     assert cached == uncached
     assert hits >= 16 * 8
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_preemption_keeps_the_tokens(smollm: LoadedModel, prompt_ids: list[list[int]], kv: str) -> None:
-    alone, _ = one_by_one(smollm, prompt_ids, kv_cache_dtype=kv, prefix_caching=False)
+def test_preemption_keeps_the_tokens(smollm_exact: LoadedModel, prompt_ids: list[list[int]], kv: str) -> None:
+    alone, _ = one_by_one(smollm_exact, prompt_ids, kv_cache_dtype=kv, prefix_caching=False)
     # ~10 blocks of 16 tokens (a token's KV: 30 layers x 2 x 3 heads x 68 bytes): eight sequences take turns.
-    assert_preempted_to(smollm, prompt_ids, greedy(), alone, kv_cache_dtype=kv, kv_cache_memory=str(10 * 16 * 12240),
-                        block_size=16, prefix_caching=False)
+    assert_preempted_to(smollm_exact, prompt_ids, greedy(), alone, kv_cache_dtype=kv,
+                        kv_cache_memory=str(10 * 16 * 12240), block_size=16, prefix_caching=False)
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_speculative_decoding_keeps_the_tokens(smollm: LoadedModel, kv: str) -> None:
+def test_speculative_decoding_keeps_the_tokens(smollm_exact: LoadedModel, kv: str) -> None:
     # Answers that copy from their prompts, where n-gram lookup's proposals get accepted.
-    prompts = [smollm.tokenizer.encode(f"<|im_start|>user\n{task}\n{CODE}<|im_end|>\n<|im_start|>assistant\n")
+    prompts = [smollm_exact.tokenizer.encode(f"<|im_start|>user\n{task}\n{CODE}<|im_end|>\n<|im_start|>assistant\n")
                for task in ("Repeat this code exactly:", "Rewrite this code, renaming add to plus:",
                             "Copy the code and rename b to y:", "Add a docstring to each function below:")]
     outputs = []
     for speculative in (None, "ngram"):
-        engine = start_engine(smollm, kv_cache_dtype=kv, speculative=speculative, prefix_caching=False)
+        engine = start_engine(smollm_exact, kv_cache_dtype=kv, speculative=speculative, prefix_caching=False)
         try:
             outputs.append(generate(engine, prompts, [greedy(32) for _ in prompts]))
             if speculative:

@@ -1,4 +1,7 @@
-"""The prefix cache on the real model: the same tokens with and without it, and the reuse it reports."""
+"""The prefix cache on the real model: the same tokens with and without it, and the reuse it reports. Prefixes
+ending on and inside blocks of every kind run in deterministic mode (`smollm_exact`: a hit's rows are the bits a
+miss computes); the default kernels' prefill over a cached prefix, under eviction and across a chat's turns, on the
+dense fp32 reference."""
 
 from __future__ import annotations
 
@@ -34,15 +37,15 @@ def run_one_by_one(smollm: LoadedModel, prompts: list[list[int]], **config) -> t
         engine.stop()
 
 
-def test_same_tokens_with_and_without_the_cache_for_prefixes_of_many_lengths(smollm: LoadedModel) -> None:
-    base = smollm.tokenizer.encode(SYSTEM)
+def test_same_tokens_with_and_without_the_cache_for_prefixes_of_many_lengths(smollm_exact: LoadedModel) -> None:
+    base = smollm_exact.tokenizer.encode(SYSTEM)
     assert len(base) > 64
     # shared prefixes ending on and inside blocks of 16, each followed by its own question
-    prompts = [base[:n] + smollm.tokenizer.encode(f" Question {n}: which river?") for n in
+    prompts = [base[:n] + smollm_exact.tokenizer.encode(f" Question {n}: which river?") for n in
                (5, 15, 16, 17, 31, 32, 33, 47, 48, 64, len(base))]
     prompts += [prompts[-1], prompts[3]]  # exact repeats: everything but the last token is cached
-    cached, engine = run_one_by_one(smollm, prompts)
-    uncached, _ = run_one_by_one(smollm, prompts, prefix_caching=False)
+    cached, engine = run_one_by_one(smollm_exact, prompts)
+    uncached, _ = run_one_by_one(smollm_exact, prompts, prefix_caching=False)
     assert cached == uncached
     assert counted(engine.metrics.prefix_hits) >= 16 * 20  # later prompts reuse the earlier ones' blocks
     assert engine.kv_cache.prefix_cache.num_blocks > 0 and engine.kv_cache.usage() == 0

@@ -33,7 +33,7 @@ def answer(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[l
 
 
 def test_a_stop_string_inside_an_accepted_run_counts_no_dropped_token_as_computed(
-        smollm: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+        smollm_exact: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """The answer copies its prompt, so " over" ends it inside a run of accepted proposals: the tokens after it are
     dropped, and the sequence's computed tokens are its kept ones (the stop token's KV, an accepted proposal's, is
     computed). A second request, its prompt the first's with the answer and more, reuses those blocks and answers
@@ -52,21 +52,21 @@ def test_a_stop_string_inside_an_accepted_run_counts_no_dropped_token_as_compute
         return finished
 
     monkeypatch.setattr(Scheduler, "update", recording)
-    fox = smollm.tokenizer.encode(FOX)
+    fox = smollm_exact.tokenizer.encode(FOX)
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
-    engine = start_engine(smollm, speculative="ngram")
+    engine = start_engine(smollm_exact, speculative="ngram")
     try:
         tokens, text, reason, _ = answer(engine, fox, SamplingParams(max_tokens=24, temperature=0.0, stop=[" over"]))
         assert (text, reason) == (" jumps", "stop") and counted(engine.metrics.spec_accepted_tokens) > 0
         [(dropped, computed, total)] = stops
         assert dropped > 0, "the stop string fell at the end of a step, not inside an accepted run"
         assert computed == total == len(fox) + len(tokens)
-        follow = fox + tokens + smollm.tokenizer.encode(" over the lazy dog. And now say it once more:")
+        follow = fox + tokens + smollm_exact.tokenizer.encode(" over the lazy dog. And now say it once more:")
         shared = answer(engine, follow, greedy)
         assert_no_live_blocks(engine)
     finally:
         engine.stop()
-    fresh_engine = start_engine(smollm, prefix_caching=False)
+    fresh_engine = start_engine(smollm_exact, prefix_caching=False)
     try:
         fresh = answer(fresh_engine, follow, greedy)
     finally:

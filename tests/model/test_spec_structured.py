@@ -39,14 +39,14 @@ def answers(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[
 
 
 def test_a_grammar_constrained_answer_copying_its_prompt_matches_the_grammar_under_prompt_lookup(
-        smollm: LoadedModel) -> None:
+        smollm_exact: LoadedModel) -> None:
     """The prompt holds the code the answer copies, so prompt lookup has proposals for it at every step."""
-    prompt = smollm.tokenizer.encode(f"<|im_start|>user\nRepeat this code exactly:\n{CODE}<|im_end|>\n"
-                                     "<|im_start|>assistant\n")
+    prompt = smollm_exact.tokenizer.encode(f"<|im_start|>user\nRepeat this code exactly:\n{CODE}<|im_end|>\n"
+                                           "<|im_start|>assistant\n")
     params = SamplingParams(max_tokens=60, temperature=0.0)
     texts = {}
     for speculative in (None, "ngram"):
-        engine = start_engine(smollm, speculative=speculative, speculative_max_seqs=8, prefix_caching=False)
+        engine = start_engine(smollm_exact, speculative=speculative, speculative_max_seqs=8, prefix_caching=False)
         try:
             texts[speculative] = answers(engine, prompt, params)
             assert_no_live_blocks(engine)

@@ -152,7 +152,7 @@ def test_a_deterministic_engine_says_so_in_its_fingerprint_and_needs_a_model_loa
         start_engine(tiny4k, deterministic=True)
     loaded = load_model(str(tiny4k_gguf), WeightPlan(dtype="float32", device="cpu", deterministic=True))
     with pytest.raises(ConfigError, match="^deterministic=False but the model was loaded with deterministic=True$"):
-        start_engine(loaded)
+        start_engine(loaded, deterministic=False)
     engine = start_engine(loaded, deterministic=True)
     try:
         assert engine.system_fingerprint == f"tokenmill-{__version__}-float32-deterministic"
