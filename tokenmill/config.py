@@ -88,10 +88,10 @@ class WeightPlan:
     dense_budget: bytes that dense copies of them may take, for many-row steps (None: the default for the CPU and
     dtype); dequantize_from_rows: without copies, steps of this many rows or more dequantize each matrix for its
     matmul (0: never); prepack: reorder dense weights for the CPU's matmul library; fused_decode: decode steps run
-    each layer as one C++ op; deterministic: batch-invariant throughout; tiles_from_rows: a bf16 model's steps of
-    this many rows or more run on AMX tiles where there are any (0: never, None: the default); bf16_kernels: on CPU,
-    dense matrices of bf16 values run tokenmill's kernels; bf16_pair_matmul: there, bf16 rows multiply them as bf16
-    pairs (on, off, or auto: measured)."""
+    each layer as one C++ op; stacked_decode: every layer's in one call a step; deterministic: batch-invariant
+    throughout; tiles_from_rows: a bf16 model's steps of this many rows or more run on AMX tiles where there are any
+    (0: never, None: the default); bf16_kernels: on CPU, dense matrices of bf16 values run tokenmill's kernels;
+    bf16_pair_matmul: there, bf16 rows multiply them as bf16 pairs (on, off, or auto: measured)."""
 
     dtype: str = "auto"
     device: str = "auto"
@@ -101,6 +101,7 @@ class WeightPlan:
     prepack: bool = True
     fused_decode: bool = True
     deterministic: bool = False
+    stacked_decode: bool = True
     tiles_from_rows: int | None = 0
     bf16_kernels: bool = True
     bf16_pair_matmul: str = "auto"
@@ -128,7 +129,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "A/B switches and kernel tuning": ("chunked_prefill", "long_prefill_token_threshold", "long_prefill_chunk", "kv",
                                        "block_size", "prefix_caching", "sliding_window_kv", "prepack_weights",
                                        "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
-                                       "amx_from_rows", "bf16_kernels", "fused_decode_layers", "cpu_prefill_attention",
+                                       "amx_from_rows", "bf16_kernels", "fused_decode_layers",
+                                       "stacked_decode_layers", "cpu_prefill_attention",
                                        "amx_attention", "bf16_pair_attention", "bf16_pair_matmul",
                                        "tp_shared_memory", "freeze_gc", "enforce_eager",
                                        "gpu_row_matmul", "gpu_pdl"),
@@ -212,6 +214,8 @@ class EngineConfig:
                                              "or bf16; of fewer than 32 rows where dense copies exist) run each "
                                              "decoder layer as one C++ op on fp32 rows, whatever the dtype (off: one "
                                              "op per norm, projection, RoPE, attention...)")
+    stacked_decode_layers: bool = option(True, "where decode steps run the fused layers, one C++ call runs them all, "
+                                               "the loop over the layers in C++ (off: one call a layer from Python)")
     cpu_prefill_attention: bool = option(True, "on CPU, prompt chunks attend through tokenmill's flash-attention "
                                                "kernel, straight from the paged KV pool (off: torch's SDPA over "
                                                "keys gathered from it, with a mask)")
@@ -293,9 +297,9 @@ class EngineConfig:
         budget = None if self.dense_weights_budget == "auto" else parse_size(self.dense_weights_budget)
         return WeightPlan(dtype=self.dtype, device=self.device, quantized=self.quantized_weights, dense_budget=budget,
                           dequantize_from_rows=self.dequantize_from_rows, prepack=self.prepack_weights,
-                          fused_decode=self.fused_decode_layers, deterministic=self.deterministic,
-                          tiles_from_rows=self.amx_from_rows, bf16_kernels=self.bf16_kernels,
-                          bf16_pair_matmul=self.bf16_pair_matmul)
+                          fused_decode=self.fused_decode_layers, stacked_decode=self.stacked_decode_layers,
+                          deterministic=self.deterministic, tiles_from_rows=self.amx_from_rows,
+                          bf16_kernels=self.bf16_kernels, bf16_pair_matmul=self.bf16_pair_matmul)
 
     def check(self) -> None:
         """Refuse (ConfigError) what is wrong with these settings alone, before the model loads."""

@@ -94,13 +94,13 @@ def write_model(path: Path, qtype: QType, bias: bool, bf16_values_but: str | Non
 
 
 def new_cache(loaded: LoadedModel, num_blocks: int = 32, sliding: bool = False,
-              kv_dtype: torch.dtype | None = None) -> PagedKVCache:
-    """sliding: the model's sliding-window layers in a pool of their own, which lets go of the blocks a window
-    has passed; kv_dtype: the pool's (the model's where None)."""
+              kv_dtype: torch.dtype | None = None, sliding_blocks: int | None = None) -> PagedKVCache:
+    """sliding: the model's sliding-window layers in a pool of their own (of sliding_blocks, else num_blocks), which
+    lets go of the blocks a window has passed; kv_dtype: the pool's (the model's where None)."""
     c = loaded.config
     return PagedKVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or loaded.dtype, c.sliding_layers,
                                c.sliding_window), loaded.device, num_blocks=num_blocks, block_size=16,
-                        sliding_blocks=num_blocks if sliding else 0)
+                        sliding_blocks=(sliding_blocks or num_blocks) if sliding else 0)
 
 
 PROMPTS = [list(range(3, 40)), [5, 9, 11], list(range(100, 120))]
@@ -131,20 +131,21 @@ def assert_fused_decode_steps_equal_per_op(fused: LoadedModel, per_op: LoadedMod
 
 
 def decode_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int,
-                 cache: PagedKVCache | None = None) -> list[torch.Tensor]:
+                 cache: PagedKVCache | None = None, first: int = 0) -> list[torch.Tensor]:
     """Prefill each prompt on its own, then `steps` decode steps of every sequence together (one new token each,
-    ragged lengths, several KV blocks) in `cache` (a new one if None); the hidden states of each decode step."""
+    ragged lengths, several KV blocks) in `cache` (a new one if None), as sequences first, first + 1...; the hidden
+    states of each decode step."""
     cache = cache or new_cache(loaded)
     model = loaded.model
     out = []
     with torch.inference_mode():
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompts, start=first):
             assert cache.reserve(i, len(prompt), len(prompt) + steps)
             meta = metadata.prepare(cache, [SequenceSlice(i, 0, len(prompt))])
             model(torch.tensor(prompt), torch.arange(len(prompt)), meta)
         for step in range(steps):
-            slices = [SequenceSlice(i, len(p) + step, 1) for i, p in enumerate(prompts)]
-            for i, p in enumerate(prompts):
+            slices = [SequenceSlice(i, len(p) + step, 1) for i, p in enumerate(prompts, start=first)]
+            for i, p in enumerate(prompts, start=first):
                 assert cache.reserve(i, len(p) + step + 1, len(p) + steps, len(p) + step)
             ids = torch.tensor([(7 * step + i) % 250 + 3 for i in range(len(prompts))])
             positions = torch.tensor([s.start for s in slices])
@@ -219,6 +220,26 @@ def test_gemma3_and_qwen3_decode_through_the_fused_layer(tmp_path: Path, archite
         for ours, theirs, full in zip(*states, decode_steps(per_op, PROMPTS, 3), strict=True):
             assert torch.equal(ours, full) and torch.equal(theirs, full)
         assert len(runs) == 3 and all(cache.sliding.tables[0][0] == 0 for cache in caches)  # 37 tokens: block 0 out
+
+
+def test_the_stacked_layers_give_the_bits_of_one_call_a_layer(tmp_path: Path) -> None:
+    """decode_layers (every layer in one call) against decode_layer called a layer at a time: the same bits, on
+    Gemma 3's sliding layers in a pool of their own and its global ones in another, both RoPE tables."""
+    path = write_normed_model(tmp_path / "m.gguf", "gemma3", QType.Q4_K)
+    stacked = load_model(str(path), WeightPlan(dtype="float32", device="cpu"))
+    one_by_one = load_model(str(path), WeightPlan(dtype="float32", device="cpu", stacked_decode=False))
+    assert stacked.model.model.decode_stack is not None and one_by_one.model.model.decode_stack is None
+    assert stacked.model.model.decode_stack.windows == [8] * 5 + [0]
+    runs = fused_steps(stacked), fused_steps(one_by_one)
+    # A sliding pool of 10 blocks: the later sequences get in it blocks its window let go of, other ids than theirs in
+    # the full pool (a layer that read the other pool's tables would read other keys, or past its pool).
+    caches = [new_cache(loaded, sliding=True, sliding_blocks=10) for loaded in (stacked, one_by_one)]
+    states = [decode_steps(loaded, PROMPTS, 3, cache) + decode_steps(loaded, PROMPTS, 3, cache, first=len(PROMPTS))
+              for loaded, cache in zip((stacked, one_by_one), caches, strict=True)]
+    for ours, theirs in zip(*states, strict=True):
+        assert torch.equal(ours, theirs)
+    assert [len(r) for r in runs] == [6, 6]
+    assert caches[0].full.tables[5] != caches[0].sliding.tables[5]
 
 
 @pytest.mark.parametrize("tiles", [0, 2], ids=["kernel", "tiles"])

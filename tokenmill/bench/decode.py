@@ -292,6 +292,9 @@ def main() -> None:
     parser.add_argument("--fused-decode", choices=["on", "off", "both"], default="on",
                         help="CPU: decode steps run each layer as one C++ op (off: --no-fused-decode-layers; both: "
                              "each, in its own process)")
+    parser.add_argument("--stacked-decode", choices=["on", "off", "both"], default="on",
+                        help="CPU: those fused layers run in one C++ call a step (off: --no-stacked-decode-layers, "
+                             "one call a layer; both: each, in its own process)")
     parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1],
                         help="ranks, each size in its own run; --threads is split among them")
     parser.add_argument("--bf16-kernels", choices=["on", "off", "both"], default="on",
@@ -314,7 +317,8 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
           f"{threads} threads")
-    print(f"{'dtype':<10} {'kv':<8} {'amx':<4} {'pairs':<5} {'mm pairs':<8} {'tp':<3} {'fused':<6} {'quant':<6} "
+    print(f"{'dtype':<10} {'kv':<8} {'amx':<4} {'pairs':<5} {'mm pairs':<8} {'tp':<3} {'fused':<6} {'stack':<6} "
+          f"{'quant':<6} "
           f"{'bf16k':<6} "
           f"{'graphs':<7} "
           f"{'row mm':<8} {'pdl':<4} {'gc':<4} "
@@ -325,22 +329,25 @@ def main() -> None:
     timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads,
                     args.long)
     both = {"on": [True], "off": [False], "both": [False, True]}
-    runs = [(d, q, g, r, p, k, tp, f, kv, amx, pairs, mm, z) for d in args.dtype for q in both[args.quantized]
+    runs = [(d, q, g, r, p, k, tp, f, st, kv, amx, pairs, mm, z) for d in args.dtype for q in both[args.quantized]
             for g in both[args.graphs] for r in both[args.row_matmul] for p in both[args.pdl]
             for k in both[args.bf16_kernels]
-            for tp in args.tensor_parallel_size for f in both[args.fused_decode] for kv in args.kv_cache_dtype
+            for tp in args.tensor_parallel_size for f in both[args.fused_decode] for st in both[args.stacked_decode]
+            for kv in args.kv_cache_dtype
             for amx in both[args.amx_attention] for pairs in args.bf16_pair_attention for mm in args.bf16_pair_matmul
             for z in both[args.freeze_gc]]
-    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused, kv, amx, pairs, mm, freeze in runs:
+    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused, stacked, kv, amx, pairs, mm, freeze in runs:
         config = EngineConfig(model=args.model, dtype=dtype, device=args.device, quantized_weights=quantized,
                               max_num_seqs=max(args.streams), enforce_eager=not graphs, gpu_row_matmul=row,
                               gpu_pdl=pdl, bf16_kernels=bf16_kernels, tensor_parallel_size=tp,
-                              fused_decode_layers=fused, kv_cache_dtype=kv, amx_attention=amx,
+                              fused_decode_layers=fused, stacked_decode_layers=stacked, kv_cache_dtype=kv,
+                              amx_attention=amx,
                               bf16_pair_attention=pairs,
                               bf16_pair_matmul=mm, freeze_gc=freeze,
                               threads=max(1, threads // tp) if tp > 1 else args.threads)
         result = _in_fresh_process(spawn, config, replace(timing, threads=None) if tp > 1 else timing)
         mode = (f"{kv:<8} {'on' if amx else 'off':<4} {pairs:<5} {mm:<8} {tp:<3} {'on' if fused else 'off':<6} "
+                f"{'on' if stacked else 'off':<6} "
                 f"{'on' if result['quantized'] else 'off':<6} "
                 f"{'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "

@@ -4,7 +4,8 @@
 // projection, SiLU or the tanh GELU, down projection, and Gemma's norms of the attention's and the MLP's outputs,
 // all in one call. The per-op path costs ~12 dispatches and their allocations a layer, ~30% of a one-stream step on
 // a 2-core CPU (measured); here the steps are the other kernels' own loops (cpu.h) over scratch buffers kept
-// between calls. models/llama.py runs it where it applies; the tests check it against the per-op layers.
+// between calls. decode_layers runs every layer of the step in one call: one dispatch a step, not one a layer.
+// models/llama.py runs them where they apply; the tests check them against the per-op layers.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -37,8 +38,8 @@ const float* f32(const at::Tensor& t, int64_t numel, const char* what) {
 
 // RoPE with the KV write, then attention, on a pool of KV.
 template <typename KV>
-void attend(const float* qkv, const float* cos, const float* sin, const int64_t* slots, float* q, at::Tensor& k_cache,
-            at::Tensor& v_cache, const int64_t* tables, const int64_t* lengths, float* out, int64_t n, int64_t heads,
+void attend(const float* qkv, const float* cos, const float* sin, const int64_t* slots, float* q,
+            const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* tables, const int64_t* lengths, float* out, int64_t n, int64_t heads,
             int64_t kv_heads, int64_t width, float scale, int64_t window) {
   KV* kc = static_cast<KV*>(k_cache.data_ptr());
   KV* vc = static_cast<KV*>(v_cache.data_ptr());
@@ -64,16 +65,15 @@ void norm_in_place(float* rows, const float* weight, int64_t count, int64_t cols
 // multiply its rows rounded to bf16 (quantized_matmul). tp_slots, tp_flags: a tensor-parallel rank's shared
 // segment (parallel/collectives.py), through which the o and down projections' partial sums are all-reduced, as
 // exchanges tp_generation + 1 and + 2. lora_rank > 0: weights go on with each row's LoRA slot and the adapters'
-// factors (lora.cpp). pairs: bf16 weights multiply bf16 rows as bf16 pairs (quantized_matmul). Returns this layer's
-// MLP output (normed, with an output norm).
-at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights,
-                        at::IntArrayRef layouts, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                        at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables,
-                        const at::Tensor& lengths, int64_t heads, int64_t kv_heads, double eps, double scale,
-                        int64_t tiles_from_rows, int64_t window, bool gelu, bool bf16_rows,
-                        const std::optional<at::Tensor>& tp_slots, const std::optional<at::Tensor>& tp_flags,
-                        int64_t tp_rank, int64_t tp_world, int64_t tp_generation, double tp_timeout,
-                        int64_t lora_rank, bool pairs) {
+// factors (lora.cpp). pairs: bf16 weights multiply bf16 rows as bf16 pairs (quantized_matmul). out: [n, hidden], gets
+// this layer's MLP output (normed, with an output norm).
+void layer_into(const at::Tensor& x, const at::Tensor& pending, at::TensorList weights, at::IntArrayRef layouts,
+                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths, int64_t heads,
+                int64_t kv_heads, double eps, double scale, int64_t tiles_from_rows, int64_t window, bool gelu,
+                bool bf16_rows, const std::optional<at::Tensor>& tp_slots, const std::optional<at::Tensor>& tp_flags,
+                int64_t tp_rank, int64_t tp_world, int64_t tp_generation, double tp_timeout, int64_t lora_rank,
+                bool pairs, at::Tensor& out) {
   TORCH_CHECK((weights.size() == 19 || (weights.size() == 31 && lora_rank > 0)) && layouts.size() == 8,
               "19 weight tensors (and with a LoRA rank, each row's slot and 11 factors), 4 subs and 4 zero points");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
@@ -125,7 +125,8 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   o.resize(n * hidden);
   gate_up.resize(n * gu_w.out);
   act.resize(n * inter);
-  at::Tensor out = at::empty({n, hidden}, x.options());
+  TORCH_CHECK(n == 0 || (out.data_ptr() != xs && out.data_ptr() != pend), "out must not be x or pending");
+  f32(out, n * hidden, "out");
 
   // LoRA adapters (layers/lora.py), after the 19 weights: each row's slot, and the q|k|v, o, gate|up and down
   // projections' factors, a then each part's b; every projection's product added to its rows, before its bias and
@@ -175,7 +176,55 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
   adapt(out.data_ptr<float>(), act.data(), inter, hidden, 9, 1);
   all_reduce(out.data_ptr<float>(), 2);
   norm_in_place(out.data_ptr<float>(), mlp_out_norm, n, hidden, ep);
+}
+
+at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList weights, at::IntArrayRef layouts,
+                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths, int64_t heads,
+                        int64_t kv_heads, double eps, double scale, int64_t tiles_from_rows, int64_t window, bool gelu,
+                        bool bf16_rows, const std::optional<at::Tensor>& tp_slots,
+                        const std::optional<at::Tensor>& tp_flags, int64_t tp_rank, int64_t tp_world,
+                        int64_t tp_generation, double tp_timeout, int64_t lora_rank, bool pairs) {
+  at::Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, x.dim() == 2 ? x.size(1) : 0}, x.options());
+  layer_into(x, pending, weights, layouts, cos, sin, k_cache, v_cache, slots, tables, lengths, heads, kv_heads, eps,
+             scale, tiles_from_rows, window, gelu, bf16_rows, tp_slots, tp_flags, tp_rank, tp_world, tp_generation,
+             tp_timeout, lora_rank, pairs, out);
   return out;
+}
+
+// Every layer of a decode step in one call (no LoRA adapters): the loop over the layers that models/llama.py would
+// otherwise run, one dispatch a layer. Layer i takes weights[19 i, 19 i + 19), layouts[8 i, 8 i + 8), cos[i],
+// sin[i], k_caches[i], v_caches[i], the pool pools[i] (slots[pools[i]], tables[pools[i]]: Gemma 3's sliding
+// layers keep their KV in a pool of their own) and windows[i]; a tensor-parallel rank's layer i all-reduces as
+// exchanges tp_generation + 2 i + 1 and + 2. Returns the last layer's MLP output.
+at::Tensor decode_layers(at::Tensor& x, at::TensorList weights, at::IntArrayRef layouts, at::TensorList cos,
+                         at::TensorList sin, at::TensorList k_caches, at::TensorList v_caches, at::TensorList slots,
+                         at::TensorList tables, const at::Tensor& lengths, at::IntArrayRef pools,
+                         at::IntArrayRef windows, int64_t heads, int64_t kv_heads, double eps, double scale,
+                         int64_t tiles_from_rows, bool gelu, bool bf16_rows, const std::optional<at::Tensor>& tp_slots,
+                         const std::optional<at::Tensor>& tp_flags, int64_t tp_rank, int64_t tp_world,
+                         int64_t tp_generation, double tp_timeout, bool pairs) {
+  const int64_t layers = static_cast<int64_t>(windows.size());
+  TORCH_CHECK(layers > 0 && weights.size() == 19 * static_cast<size_t>(layers) &&
+                  layouts.size() == 8 * static_cast<size_t>(layers) && cos.size() == windows.size() &&
+                  sin.size() == windows.size() && k_caches.size() == windows.size() &&
+                  v_caches.size() == windows.size() && pools.size() == windows.size(),
+              "19 weights, 8 layouts, a cos, a sin, a k and a v cache, a pool and a window a layer");
+  TORCH_CHECK(slots.size() == tables.size() && !slots.empty(), "a slot mapping and a block table a pool");
+  TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
+  at::Tensor pending = at::empty({0}, x.options());
+  at::Tensor outs[2] = {at::empty_like(x), at::empty_like(x)};
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t pool = pools[i];
+    TORCH_CHECK(pool >= 0 && pool < static_cast<int64_t>(slots.size()), "a layer's pool out of range");
+    at::Tensor& out = outs[i % 2];
+    layer_into(x, pending, weights.slice(19 * i, 19), layouts.slice(8 * i, 8), cos[i], sin[i], k_caches[i],
+               v_caches[i], slots[pool], tables[pool], lengths, heads, kv_heads, eps, scale, tiles_from_rows,
+               windows[i], gelu, bf16_rows, tp_slots, tp_flags, tp_rank, tp_world, tp_generation + 2 * i, tp_timeout,
+               0, pairs, out);
+    pending = out;
+  }
+  return pending;
 }
 
 }  // namespace
@@ -186,6 +235,14 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "int kv_heads, float eps, float scale, int tiles_from_rows=0, int window=0, bool gelu=False, "
         "bool bf16_rows=False, Tensor? tp_slots=None, Tensor? tp_flags=None, int tp_rank=0, int tp_world=1, "
         "int tp_generation=0, float tp_timeout=10.0, int lora_rank=0, bool pairs=True) -> Tensor");
+  m.def("decode_layers(Tensor(a!) x, Tensor[] weights, int[] layouts, Tensor[] cos, Tensor[] sin, "
+        "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor[] slots, Tensor[] tables, Tensor lengths, int[] pools, "
+        "int[] windows, int heads, int kv_heads, float eps, float scale, int tiles_from_rows=0, bool gelu=False, "
+        "bool bf16_rows=False, Tensor? tp_slots=None, Tensor? tp_flags=None, int tp_rank=0, int tp_world=1, "
+        "int tp_generation=0, float tp_timeout=10.0, bool pairs=True) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
+}

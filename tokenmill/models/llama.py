@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol, TypeGuard, cast
 
 import torch
@@ -215,6 +216,7 @@ class LlamaModel(nn.Module):
         self.fused_decode: list[tuple[list[torch.Tensor], list[int]]] | None = None  # see fuse_decode_layers
         self.fused_decode_below: int | None = None  # decode steps of fewer rows run fused (None: all of them)
         self.fused_all_reduce: FusedAllReduce | None = None  # a tensor-parallel rank's: the fused layer sums itself
+        self.decode_stack: DecodeStack | None = None  # the fused layers in one call (see fuse_decode_layers)
         self.lora: LoRASlots | None = None  # the adapters beside the projections (engine/lora.py installs them)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -243,13 +245,15 @@ class LlamaModel(nn.Module):
                 x, pending = layer(x, pending, rope, meta)
         return self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
 
-    def fuse_decode_layers(self) -> bool:
+    def fuse_decode_layers(self, stacked: bool = True) -> bool:
         """Run decode steps' layers through the fused kernel, where every layer can (see decode_weights): all of them,
-        or where there are dense copies, those of fewer rows than take the copies."""
+        or where there are dense copies, those of fewer rows than take the copies. stacked: the whole loop over the
+        layers in one call (DecodeStack), where the layers share their shapes."""
         layers = [layer.decode_weights() for layer in self.layers]  # type: ignore[operator]
         self.fused_decode = None if any(w is None for w in layers) else cast(list, layers)
         dense = any(isinstance(m, QuantizedLinear) and m.dense is not None for m in self.layers.modules())
         self.fused_decode_below = DENSE_FROM_ROWS if dense else None
+        self.decode_stack = DecodeStack.of(self) if stacked and self.fused_decode is not None else None
         return self.fused_decode is not None
 
     def _decode_fused(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
@@ -263,6 +267,15 @@ class LlamaModel(nn.Module):
         # registry.py sets every layer's alike
         qkv = cast(QuantizedLinear, base_of(first.self_attn.qkv_proj))
         tiles_from_rows, pairs = qkv.tiles_from_rows, qkv.pairs
+        if self.decode_stack is not None and not (self.lora is not None and self.lora.active):
+            ks, vs, pool_of = self.decode_stack.caches(meta)
+            tp = () if self.fused_all_reduce is None else self.fused_all_reduce.take_exchanges(2 * len(ks))
+            stack = self.decode_stack
+            return torch.ops.tokenmill.decode_layers(
+                x, stack.weights, stack.layouts, [cos for cos, _ in ropes], [sin for _, sin in ropes], ks, vs,
+                [pool.slot_mapping for pool in pools], tables, meta.decode_lengths, pool_of, stack.windows,
+                stack.heads, stack.kv_heads, eps, stack.scale, tiles_from_rows, stack.gelu, bf16_rows, *tp,
+                pairs=pairs)
         pending = torch.empty(0)
         layers = zip(cast(list[DecoderLayer], self.layers), cast(list, self.fused_decode), ropes, strict=True)
         for i, (layer, (weights, layouts), (cos, sin)) in enumerate(layers):
@@ -280,6 +293,47 @@ class LlamaModel(nn.Module):
                 tables[pool is not meta], meta.decode_lengths, attn.num_heads, attn.num_kv_heads, eps, attn.scale,
                 tiles_from_rows, attn.window, cast(MLP, layer.mlp).gelu, bf16_rows, *tp, **lora, pairs=pairs)
         return pending
+
+
+@dataclass
+class DecodeStack:
+    """Every layer's fused-decode tensors in one list, as kernels/layer.cpp's decode_layers takes them (the loop over
+    the layers in C++: one call a decode step), and what the layers share."""
+
+    weights: list[torch.Tensor]
+    layouts: list[int]
+    windows: list[int]
+    heads: int
+    kv_heads: int
+    scale: float
+    gelu: bool
+    # the KV pools' per-layer tensors and each layer's pool, for the pools they were read from (caches())
+    _caches: tuple[tuple, list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
+
+    @staticmethod
+    def of(model: LlamaModel) -> DecodeStack | None:
+        """The stack of model's fused layers; None where they differ in more than the window (one call takes one
+        set of head counts, scale, norm epsilon and activation)."""
+        layers = cast(list[DecoderLayer], list(model.layers))
+        shared = {(layer.self_attn.num_heads, layer.self_attn.num_kv_heads, layer.self_attn.scale,
+                   layer.input_layernorm.eps, cast(MLP, layer.mlp).gelu) for layer in layers}
+        if len(shared) != 1 or model.fused_decode is None:
+            return None
+        heads, kv_heads, scale, _, gelu = shared.pop()
+        return DecodeStack([w for weights, _ in model.fused_decode for w in weights],
+                           [n for _, layouts in model.fused_decode for n in layouts],
+                           [layer.self_attn.window for layer in layers], heads, kv_heads, scale, gelu)
+
+    def caches(self, meta: PagedMetadata) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """Each layer's k and v in its pool, and its pool (0: meta's, 1: meta.sliding's), kept while the pools
+        are the same."""
+        pools = (meta.k_layers, None if meta.sliding is None else meta.sliding.k_layers)
+        if self._caches is None or any(a is not b for a, b in zip(self._caches[0], pools, strict=True)):
+            where = [meta.of_layer(i) for i in range(len(self.windows))]
+            self._caches = (pools, [pool.kv_of(index)[0] for pool, index in where],
+                            [pool.kv_of(index)[1] for pool, index in where],
+                            [0 if pool is meta else 1 for pool, _ in where])
+        return self._caches[1], self._caches[2], self._caches[3]
 
 
 def _fused_decode_runs(meta: AttentionMetadata, x: torch.Tensor, below: int | None) -> TypeGuard[PagedMetadata]:

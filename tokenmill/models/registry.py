@@ -107,7 +107,7 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
     # Deterministic bf16 stays per-op: the fused layer's fp32 residual stream would round otherwise than the per-op
     # layers of a mixed step that holds the same sequence.
     fuse = plan.fused_decode and not (deterministic and dtype != torch.float32)
-    if fuse and backend.cpu_kernels(device) and model.model.fuse_decode_layers():
+    if fuse and backend.cpu_kernels(device) and model.model.fuse_decode_layers(plan.stacked_decode):
         below = model.model.fused_decode_below
         log.info("decode steps%s run each layer as one fused op", f" of fewer than {below} rows" if below else "")
     return model.eval()

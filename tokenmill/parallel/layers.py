@@ -31,4 +31,4 @@ def all_reduce_partial_sums(model: LlamaForCausalLM, group: Group) -> None:
     if isinstance(group, ShmGroup):
         model.model.fused_all_reduce = group
     else:
-        model.model.fused_decode = None
+        model.model.fused_decode = model.model.decode_stack = None
