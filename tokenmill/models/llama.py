@@ -258,7 +258,8 @@ class LlamaModel(nn.Module):
 
     def _decode_fused(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
                       meta: PagedMetadata, bf16_rows: bool) -> torch.Tensor:
-        """Every layer as one op each; x (the residual stream) is updated in place. Returns the last MLP output.
+        """Every layer as one op each, in one call where the layers stack (DecodeStack) and no adapter is active; x
+        (the residual stream) is updated in place. Returns the last MLP output.
         bf16_rows: a bf16 model's, whose bf16 weights multiply the rows rounded to bf16, as its ops do unfused."""
         first = cast(DecoderLayer, self.layers[0])
         eps = first.input_layernorm.eps
