@@ -26,6 +26,9 @@ fi
 case "$verb" in
   serve) exec "$venv/bin/tokenmill" serve "$@" ;;
   test)
+    # The C++ kernels (this CPU's level and the lower ones tests/paths runs) compile beside the static checks, on the
+    # core mypy leaves idle; the tests wait for a build still running (kernels.build_lock) or redo a failed one.
+    "$py" scripts/build_kernels.py > "$venv/kernel-build.log" 2>&1 &
     "$venv/bin/ruff" check tokenmill tests scripts
     "$venv/bin/lint-imports"  # the layers of .importlinter: a request flows one way
     "$venv/bin/mypy"  # [tool.mypy] in pyproject.toml
