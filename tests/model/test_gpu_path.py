@@ -35,10 +35,11 @@ pytestmark = pytest.mark.skipif(not gpu.available() or os.environ.get("TRITON_IN
 
 SHARED = list(range(3, 36))  # 33 tokens: two full blocks the prefix cache shares, and one more
 PROMPTS = [SHARED + [50, 51], [9, 8, 7], SHARED + list(range(60, 70)), list(range(100, 120))]
-PARAMS = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-          SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
-          SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
-          SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=8, ignore_eos=True)]
+# Few decode steps: the interpreter's cost is per launch, and each pair's longer answer still ends in one-row steps
+PARAMS = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=7, temperature=0.9, seed=3, ignore_eos=True),
+          SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=6, temperature=0.7, top_k=20, seed=8, ignore_eos=True)]
 
 
 def load(path: Path) -> LoadedModel:
