@@ -35,10 +35,10 @@ def model(smollm_exact: LoadedModel) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm_exact: LoadedModel) -> list[list[int]]:
+def prompts(model: LoadedModel) -> list[list[int]]:
     """16 requests whose answers copy from their prompts (where proposals get accepted); every other one, each
     task, runs alone below."""
-    return [chat(smollm_exact, task.format(name)) for task in TASKS for name in NAMES]
+    return [chat(model, task.format(name)) for task in TASKS for name in NAMES]
 
 
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
@@ -134,9 +134,8 @@ def test_the_default_kernels_verify_to_the_tokens_of_plain_decoding(smollm, prom
 @pytest.mark.parametrize("speculative", ["suffix", "draft"])
 def test_the_other_proposers_keep_the_tokens_of_plain_decoding(model, smollm_path, prompts, speculative) -> None:
     """8 prompts alone and 8 in a batch, as for prompt lookup above. The suffix cache: the earlier requests'
-    answers propose too. The draft: the model's own GGUF, loaded as a server loads it (bf16 where the CPU has it,
-    the weights kept quantized), has nearly every guess accepted (a miss: a near tie its rounding breaks the
-    other way)."""
+    answers propose too. The draft: the model's own GGUF, loaded with the model's weight options (as a server loads
+    a draft), has nearly every guess accepted (a miss: a near tie its rounding breaks the other way)."""
     draft = str(smollm_path) if speculative == "draft" else None
     plain, spec, engine = both(model, prompts[::2], [greedy(ignore_eos=True)] * 8, one_at_a_time=True,
                                speculative=speculative, draft_model=draft)
@@ -144,7 +143,7 @@ def test_the_other_proposers_keep_the_tokens_of_plain_decoding(model, smollm_pat
     accepted, proposed = counted(engine.metrics.spec_accepted_tokens), counted(engine.metrics.spec_draft_tokens)
     assert accepted > 50
     if draft:
-        assert proposed > 100 and accepted / proposed > 0.85  # measured 142 of 153, 0.93 (a bf16 draft)
+        assert proposed > 100 and accepted / proposed > 0.85  # measured 142 of 153, 0.93 (a bf16 draft, dense target)
     plain, spec, _ = both(model, prompts[:8], [greedy()] * 8, one_at_a_time=False, speculative=speculative,
                           draft_model=draft)
     assert same(plain, spec, model)
@@ -175,7 +174,7 @@ def test_stops_and_limits_inside_an_accepted_run(model, prompts) -> None:
     # A prompt the answer copies, so the stop strings fall inside a run accepted whole: the tokens after the stop
     # once came out, with the stop string cut from the middle of the text. min_tokens holds stop strings back.
     fox = model.tokenizer.encode("Repeat after me three times: the quick brown fox jumps over the lazy dog. The "
-                                  "quick brown fox jumps over the lazy dog. The quick brown fox")
+                                 "quick brown fox jumps over the lazy dog. The quick brown fox")
     params = [greedy(stop=[" over"], logprobs=0), greedy(stop=["lazy"]), greedy(stop=["dog"], logprobs=0),
               greedy(stop=["lazy"], min_tokens=12, max_tokens=12)]
     plain, spec, engine = both(model, [fox] * len(params), params, one_at_a_time=True)
@@ -205,7 +204,7 @@ def test_the_suffix_cache_proposes_a_repeated_request_its_earlier_answer(model) 
     """A request repeated (an agent's retry, an extraction run again) whose answer its prompt does not hold: prompt
     lookup finds little, the suffix cache the whole earlier answer; the tokens stay those of plain decoding."""
     prompt = model.tokenizer.encode("<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n"
-                                     "<|im_start|>assistant\n")
+                                    "<|im_start|>assistant\n")
     accepted = {}
     answers = []
     for spec in (None, "ngram", "suffix"):

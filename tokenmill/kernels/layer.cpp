@@ -39,8 +39,8 @@ const float* f32(const at::Tensor& t, int64_t numel, const char* what) {
 // RoPE with the KV write, then attention, on a pool of KV.
 template <typename KV>
 void attend(const float* qkv, const float* cos, const float* sin, const int64_t* slots, float* q,
-            const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* tables, const int64_t* lengths, float* out, int64_t n, int64_t heads,
-            int64_t kv_heads, int64_t width, float scale, int64_t window) {
+            const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* tables, const int64_t* lengths,
+            float* out, int64_t n, int64_t heads, int64_t kv_heads, int64_t width, float scale, int64_t window) {
   KV* kc = static_cast<KV*>(k_cache.data_ptr());
   KV* vc = static_cast<KV*>(v_cache.data_ptr());
   const int64_t block_size = k_cache.size(1), dim = tokenmill::pool_dim(k_cache);
@@ -185,7 +185,7 @@ at::Tensor decode_layer(at::Tensor& x, const at::Tensor& pending, at::TensorList
                         bool bf16_rows, const std::optional<at::Tensor>& tp_slots,
                         const std::optional<at::Tensor>& tp_flags, int64_t tp_rank, int64_t tp_world,
                         int64_t tp_generation, double tp_timeout, int64_t lora_rank, bool pairs) {
-  at::Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, x.dim() == 2 ? x.size(1) : 0}, x.options());
+  at::Tensor out = at::empty_like(x);  // layer_into checks x, then out
   layer_into(x, pending, weights, layouts, cos, sin, k_cache, v_cache, slots, tables, lengths, heads, kv_heads, eps,
              scale, tiles_from_rows, window, gelu, bf16_rows, tp_slots, tp_flags, tp_rank, tp_world, tp_generation,
              tp_timeout, lora_rank, pairs, out);

@@ -331,8 +331,8 @@ class DecodeStack:
         pools = (meta.k_layers, None if meta.sliding is None else meta.sliding.k_layers)
         if self._caches is None or any(a is not b for a, b in zip(self._caches[0], pools, strict=True)):
             where = [meta.of_layer(i) for i in range(len(self.windows))]
-            self._caches = (pools, [pool.kv_of(index)[0] for pool, index in where],
-                            [pool.kv_of(index)[1] for pool, index in where],
+            kv = [pool.kv_of(index) for pool, index in where]
+            self._caches = (pools, [k for k, _ in kv], [v for _, v in kv],
                             [0 if pool is meta else 1 for pool, _ in where])
         return self._caches[1], self._caches[2], self._caches[3]
 
