@@ -207,6 +207,42 @@ def test_a_dead_rank_ends_the_engine_and_its_requests(tmp_path_factory: pytest.T
     assert not engine.alive
 
 
+def test_the_ranks_of_a_killed_rank_0_exit(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 0's process killed (SIGKILL: no stop sent): its workers notice within their one-second wait and exit,
+    as does the fork server they came from, whose end of the pipe they held."""
+    folder = llama_folder(tmp_path_factory.getbasetemp(), 4, 2)
+    script = ("import time; from tokenmill.config import EngineConfig; from tokenmill.engine.engine import Engine; "
+              f"e = Engine(EngineConfig(model={str(folder)!r}, tensor_parallel_size=2, dtype='float32', device='cpu',"
+              " threads=1, max_model_len=256)); e.start(); "
+              "print(*[w.pid for w in e.tensor_parallel.workers], flush=True); time.sleep(600)")
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank0.stdout is not None
+        workers = [int(pid) for pid in rank0.stdout.readline().split()]
+        assert len(workers) == 1 and running(workers[0])
+        servers = [pid for pid in child_pids(rank0.pid) if pid not in workers]
+    finally:
+        rank0.kill()
+        rank0.wait()
+    deadline = time.monotonic() + 5
+    while any(running(pid) for pid in workers + servers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(running(pid) for pid in workers + servers)
+
+
+def running(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def child_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in children.read_text().split()] if children.exists() else []
+
+
 def test_features_on_two_ranks_give_one_ranks_tokens(tmp_path_factory: pytest.TempPathFactory) -> None:
     """What the scheduler, speculation and deterministic mode do on rank 0 alone, over a sharded step: prompt
     chunks of 8 tokens with KV memory that preempts (256 tokens for 8 sequences of up to 58), n-gram and suffix
