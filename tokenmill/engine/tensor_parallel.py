@@ -62,7 +62,7 @@ def group_spec(config: EngineConfig, shm: bool) -> GroupSpec:
                     config.master_port)
 
 
-def rank_context() -> multiprocessing.context.BaseContext:
+def rank_context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     """Where ranks are started from: a fork server that imported torch and this module once, so that a rank starts
     in milliseconds, not in the seconds of importing them again (3.5 s each on a 2-core Zen 3). It is a fresh
     process, not a fork of this one: no CUDA context or OpenMP threads of ours are copied into the ranks. Where
