@@ -1,7 +1,8 @@
 """Build tokenmill's C++ kernels for this CPU's own level, then for each level below it that tests/paths runs, one
 after another, each in a process of its own (the level is read at import: TOKENMILL_CPU_ISA). scripts/dev.sh runs
-this beside the static checks, so that the compiles (a minute a level on 2 cores) use the cores those leave idle;
-a build that fails here is tried again by the tests, which say why. Exits 1 if one failed."""
+this beside its install and the static checks, so that the compiles (a minute a level on 2 cores) use the cores
+those leave idle; it needs torch and ninja alone (run as `PYTHONPATH=. python scripts/build_kernels.py` before the
+package is installed). A build that fails here is tried again by the tests, which say why. Exits 1 if one failed."""
 
 from __future__ import annotations
 

@@ -20,20 +20,30 @@ venv=${TOKENMILL_VENV:-.venv}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
 case "$verb" in test) extras="[dev]" ;; mutate) extras="[dev,mutation]" ;; *) extras="" ;; esac
+# The C++ kernels for this CPU's level, then for the lower ones tests/paths runs, in the background: the tests wait
+# for a build still running (kernels.build_lock) or redo a failed one.
+kernels_building=""
+build_kernels() {
+  PYTHONPATH=. "$py" scripts/build_kernels.py > "$venv/kernel-build.log" 2>&1 &
+  kernels_building=yes
+}
 stamp="$venv/.installed-$verb-$(cat pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   # --no-compile: Python compiles what it imports on first use; compiling every module of torch and transformers at
   # install took longer than their install (24 s against 7 s for torch on a 2-core Zen 3).
   "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q --no-compile "${TOKENMILL_TORCH:-torch==2.13.0}"
+  if [ "$verb" = test ]; then
+    # The C++ kernels need torch and ninja alone: they start compiling now, beside the rest of the install.
+    "$py" -m pip install -q --no-compile ninja
+    build_kernels
+  fi
   "$py" -m pip install -q --no-compile -e ".$extras"
   touch "$stamp"
 fi
 case "$verb" in
   serve) exec "$venv/bin/tokenmill" serve "$@" ;;
   test)
-    # The C++ kernels (this CPU's level and the lower ones tests/paths runs) compile beside the static checks, on the
-    # core mypy leaves idle; the tests wait for a build still running (kernels.build_lock) or redo a failed one.
-    "$py" scripts/build_kernels.py > "$venv/kernel-build.log" 2>&1 &
+    [ -n "$kernels_building" ] || build_kernels  # beside the static checks, on the core mypy leaves idle
     "$venv/bin/ruff" check tokenmill tests scripts
     "$venv/bin/lint-imports"  # the layers of .importlinter: a request flows one way
     "$venv/bin/mypy"  # [tool.mypy] in pyproject.toml
