@@ -75,8 +75,10 @@ def _slots(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice]) -> torc
 
 def _row_tables(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice]) -> torch.Tensor:
     """Each slice's table (padded) once for every one of its rows, on the device."""
-    rows = torch.tensor([s.num_tokens for s in slices], dtype=torch.long)
-    return _padded_tables(cache, pool, slices).repeat_interleave(rows, dim=0).to(cache.device)
+    tables = _padded_tables(cache, pool, slices)
+    if any(s.num_tokens != 1 for s in slices):  # a decode step's slices are a row each: nothing to repeat
+        tables = tables.repeat_interleave(torch.tensor([s.num_tokens for s in slices], dtype=torch.long), dim=0)
+    return tables.to(cache.device)
 
 
 def _prefill_batch(cache: PagedKVCache, pool: Pool, chunks: list[SequenceSlice]) -> PrefillBatch:
@@ -105,9 +107,9 @@ def decode_rows(cache: PagedKVCache, seq_ids: list[int], positions: list[int], t
 def _padded_tables(cache: PagedKVCache, pool: Pool, slices: list[SequenceSlice]) -> torch.Tensor:
     """[slices, longest table] block ids, padded with the null block."""
     own = [pool.tables[s.seq_id] for s in slices]
-    tables = torch.zeros(len(own), max(map(len, own), default=1), dtype=torch.long)
-    _fill_rows(tables.numpy(), own)
-    return tables
+    tables = np.zeros((len(own), max(map(len, own), default=1)), dtype=np.int64)  # numpy's is the cheaper call
+    _fill_rows(tables, own)
+    return torch.from_numpy(tables)
 
 
 def _fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:

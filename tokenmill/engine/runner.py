@@ -68,6 +68,8 @@ class ModelRunner:
             self._pool(item, hidden[first:end])
         for seq, first, position, count in prompt_rows:
             self._prompt_logprobs(seq, hidden[first:first + count], position)
+        if len(sample_rows) == len(input_ids):  # every row samples (a decode step): they are hidden's, in order
+            return self.model.compute_logits(hidden)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
