@@ -110,16 +110,17 @@ def test_a_sliding_window_prefill_sees_the_window_up_to_each_query(start: int, n
 def test_long_contexts_split_in_chunks_merge_to_the_whole_softmax(heads: int, kv_heads: int, dim: int,
                                                                    window: int) -> None:
     """Keys past one chunk (kernels/attention.cpp's kChunk, 256) are attended by several tasks whose partial
-    softmaxes merge: lengths just under, at and past chunk edges, groups of 1 to 5 query heads a KV head (4 and more
-    take several passes over the keys), dims the vector paths take and those they leave to plain loops."""
+    softmaxes merge: lengths just under, at and past chunk edges and split in even chunks (300 as two of 150, 513 as
+    three of 171), groups of 1 to 5 query heads a KV head (4 and more take several passes over the keys), dims the
+    vector paths take and those they leave to plain loops."""
     torch.manual_seed(4)
-    block, lengths = 16, [1, 255, 256, 257, 700, 1100]
+    block, lengths = 16, [1, 255, 256, 257, 300, 513, 700, 1100]
     width = -(-max(lengths) // block)
     b = len(lengths)
     keys = torch.randn(b, width * block, kv_heads, dim)
     values = torch.randn(b, width * block, kv_heads, dim)
     # A few keys with scores far above the rest, in one chunk only: the merge must rescale the other chunks' sums.
-    keys[4, 600] *= 8
+    keys[6, 600] *= 8
     pool_k = torch.full((b * width + 1, block, kv_heads, dim), 1e4)
     pool_v = torch.full((b * width + 1, block, kv_heads, dim), -1e4)
     tables = (torch.randperm(b * width) + 1).view(b, width)

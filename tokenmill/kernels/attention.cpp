@@ -2,12 +2,12 @@
 // read block by block through its block table (torch's path gathers every sequence's history into a new tensor
 // per layer and step, masks the padding and runs SDPA).
 //
-// As flash-decoding does, a sequence's keys are split in chunks of kChunk: each (sequence, chunk, KV head) is a task
-// of its own, so that one long context keeps every thread busy (one task per KV head left one of two threads idle
-// a third of the time on SmolLM2's three KV heads), and the chunks' partial softmaxes merge after. In a task the
-// KV head's query heads read each key and value once, from the pool as it lies (bf16 widened in registers), and
-// the dot products of four keys are summed across lanes together. A quantized pool (int8 or fp8, cpu.h) is read
-// as it lies too: a key's scale multiplies its scores, a value's its weight.
+// As flash-decoding does, a sequence's keys are split in even chunks of at most kChunk: each (sequence, chunk, KV
+// head) is a task of its own, so that one long context keeps every thread busy (one task per KV head left one of
+// two threads idle a third of the time on SmolLM2's three KV heads), and the chunks' partial softmaxes merge after.
+// In a task the KV head's query heads read each key and value once, from the pool as it lies (bf16 widened in
+// registers), and the dot products of four keys are summed across lanes together. A quantized pool (int8 or fp8,
+// cpu.h) is read as it lies too: a key's scale multiplies its scores, a value's its weight.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -28,8 +28,8 @@ namespace {
 
 using tokenmill::dot;
 
-// Keys a task reads at most. Fixed, never from the thread count or the batch: a row's result is the same bits
-// whatever else the step runs (the deterministic mode rests on it).
+// Keys a task reads at most. Fixed, never from the thread count or the batch: a row's chunks, and so its result's
+// bits, follow from its own length alone, whatever else the step runs (the deterministic mode rests on it).
 constexpr int64_t kChunk = 256;
 
 // A row of the pool as fp32: the pool's own memory where it is fp32, else widened into buf (a bf16 is the top half
@@ -217,9 +217,13 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
   // another on a thread: the first fetches every head's rows of its positions (a position's heads lie side by side
   // in the pool; one head's rows alone are a third of SmolLM2's, at a stride, read at ~40% of the machine's read
   // bandwidth), the others find theirs in the cache.
-  std::vector<int64_t> task_of(seqs + 1, 0), chunks(seqs);
+  // A sequence's keys split in as few chunks of at most kChunk as hold them, all of one size (the last one short):
+  // 300 keys as 150 and 150, not 256 and 44, which left one of two threads a sixth of the work.
+  std::vector<int64_t> task_of(seqs + 1, 0), chunks(seqs), chunk_keys(seqs);
   for (int64_t s = 0; s < seqs; ++s) {
-    chunks[s] = (lengths[s] - first_of(s) + kChunk - 1) / kChunk;
+    const int64_t keys = lengths[s] - first_of(s);
+    chunks[s] = (keys + kChunk - 1) / kChunk;
+    chunk_keys[s] = chunks[s] > 0 ? (keys + chunks[s] - 1) / chunks[s] : 0;
     task_of[s + 1] = task_of[s] + kv_heads * chunks[s];
   }
   const int64_t tasks = task_of[seqs];
@@ -240,7 +244,7 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_of[s + 1]) ++s;
       const int64_t chunk = (task - task_of[s]) / kv_heads, h = (task - task_of[s]) % kv_heads;
-      const int64_t lo = first_of(s) + chunk * kChunk, n = std::min(kChunk, lengths[s] - lo);
+      const int64_t lo = first_of(s) + chunk * chunk_keys[s], n = std::min(chunk_keys[s], lengths[s] - lo);
       const int64_t* table = tables + s * width;
       // Each key's row, block by block: no division a key (a 64-bit divide costs as much as the key's products).
       for (int64_t i = 0, block = lo / block_size, at = lo % block_size; i < n; ++i) {
