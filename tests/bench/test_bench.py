@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import ServerThread
+from helpers import ServerThread, start_engine
 
 from tokenmill import cli, kernels
 from tokenmill.bench import agree, client, report
 from tokenmill.bench.attention import AttentionShape, step_time
-from tokenmill.bench.decode import random_prompts
+from tokenmill.bench.decode import _profile, random_prompts
 from tokenmill.bench.workloads import WORDS_PER_TOKEN, WorkloadParams, build, synthetic_text
 from tokenmill.config import ServerConfig, WeightPlan
 from tokenmill.loader import load_model
@@ -235,3 +235,18 @@ def test_stream_lines_split_where_sse_splits_them_only() -> None:
             return [line async for line in client.sse_lines(response)]
 
     assert asyncio.run(lines()) == ['data: {"a":"x\u2028y\u0085z"}', "data: [DONE]", "", "tail"]
+
+
+def test_the_decode_profile_lists_a_cpu_steps_ops(tiny_gguf: Path) -> None:
+    """bench.decode --profile on a CPU: the parts of each step, then the torch ops a profiled step calls on the
+    engine's thread with their own time (the profiler records per thread: the engine's, not the caller's)."""
+    engine = start_engine(load_model(str(tiny_gguf), WeightPlan(dtype="float32", device="cpu")))
+    try:
+        lines = _profile(engine, [1, 2, 3], 1, timed_steps=4, profiled_steps=2).splitlines()
+    finally:
+        engine.stop()
+    assert lines[0].startswith("  4 decode steps of 1 streams")
+    assert lines[1].startswith("  profiled 2 steps: ops a step")
+    ops = [line.split() for line in lines[3:]]
+    assert ops and all(float(own) >= 0 and float(calls) > 0 for own, calls, _ in ops)
+    assert any(name.startswith(("aten::", "tokenmill::")) for _, _, name in ops)

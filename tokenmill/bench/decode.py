@@ -179,8 +179,10 @@ class _StepProbe:
             torch.cuda.synchronize()
             lines.append(f"  GPU time from the runner's start to its end: "
                          f"{statistics.median(b.elapsed_time(e) for b, e in self.events):.3f} ms (median)")
-        if self.prof is None or not self.gpu:
+        if self.prof is None:
             return "\n".join(lines)
+        if not self.gpu:
+            return "\n".join(lines + self._cpu_ops())
         kernels = [e for e in self.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         by_name: dict[str, list[float]] = {}
         for e in kernels:
@@ -191,6 +193,19 @@ class _StepProbe:
         for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:14]:
             lines.append(f"    {sum(times) / count / 1000:8.3f} {len(times) / count:5.0f}  {name[:90]}")
         return "\n".join(lines)
+
+    def _cpu_ops(self) -> list[str]:
+        """The torch ops a profiled step calls on the engine's thread, and their own CPU time a step (what they spend
+        outside the ops they call): where a CPU step's time goes below the model's Python."""
+        count = self.profiled_steps
+        ops = [e for e in self.prof.key_averages() if e.self_cpu_time_total > 0]
+        calls = sum(e.count for e in ops)
+        lines = [f"  profiled {count} steps: ops a step {calls / count:.0f}, their own CPU time a step "
+                 f"{sum(e.self_cpu_time_total for e in ops) / count / 1000:.3f} ms (the profiler's cost included)",
+                 "  top ops (own ms a step, calls a step):"]
+        for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:14]:
+            lines.append(f"    {e.self_cpu_time_total / count / 1000:8.3f} {e.count / count:5.0f}  {e.key[:90]}")
+        return lines
 
 
 def _profile(engine: Engine, prompt_ids: list[int], streams: int, timed_steps: int = 64,
