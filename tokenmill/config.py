@@ -91,7 +91,8 @@ class WeightPlan:
     each layer as one C++ op; stacked_decode: every layer's in one call a step; deterministic: batch-invariant
     throughout; tiles_from_rows: a bf16 model's steps of this many rows or more run on AMX tiles where there are any
     (0: never, None: the default); bf16_kernels: on CPU, dense matrices of bf16 values run tokenmill's kernels;
-    bf16_pair_matmul: there, bf16 rows multiply them as bf16 pairs (on, off, or auto: measured)."""
+    bf16_pair_matmul: there, bf16 rows multiply them as bf16 pairs (on, off, or auto: measured); huge_pages: on CPU,
+    the weights the kernels read lie in memory the OS may back with 2 MiB pages."""
 
     dtype: str = "auto"
     device: str = "auto"
@@ -105,6 +106,7 @@ class WeightPlan:
     tiles_from_rows: int | None = 0
     bf16_kernels: bool = True
     bf16_pair_matmul: str = "auto"
+    huge_pages: bool = True
 
 
 # `--help` shows the flags in these groups, in this order; the A/B switches and kernel tuning last (each exists to
@@ -130,7 +132,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
                                        "block_size", "prefix_caching", "sliding_window_kv", "prepack_weights",
                                        "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
                                        "amx_from_rows", "bf16_kernels", "fused_decode_layers",
-                                       "stacked_decode_layers", "cpu_prefill_attention",
+                                       "stacked_decode_layers", "huge_pages", "cpu_prefill_attention",
                                        "amx_attention", "bf16_pair_attention", "bf16_pair_matmul",
                                        "tp_shared_memory", "freeze_gc", "enforce_eager",
                                        "gpu_row_matmul", "gpu_pdl"),
@@ -216,6 +218,10 @@ class EngineConfig:
                                              "op per norm, projection, RoPE, attention...)")
     stacked_decode_layers: bool = option(True, "where decode steps run the fused layers, one C++ call runs them all, "
                                                "the loop over the layers in C++ (off: one call a layer from Python)")
+    huge_pages: bool = option(True, "on CPU, the weights tokenmill's kernels read (quantized, or bf16 kept for "
+                                    "them) lie in one mapping advised for transparent huge pages, where the OS "
+                                    "grants them: a step streams them with fewer TLB misses (off: the allocator's "
+                                    "pages)")
     cpu_prefill_attention: bool = option(True, "on CPU, prompt chunks attend through tokenmill's flash-attention "
                                                "kernel, straight from the paged KV pool (off: torch's SDPA over "
                                                "keys gathered from it, with a mask)")
@@ -299,7 +305,8 @@ class EngineConfig:
                           dequantize_from_rows=self.dequantize_from_rows, prepack=self.prepack_weights,
                           fused_decode=self.fused_decode_layers, stacked_decode=self.stacked_decode_layers,
                           deterministic=self.deterministic, tiles_from_rows=self.amx_from_rows,
-                          bf16_kernels=self.bf16_kernels, bf16_pair_matmul=self.bf16_pair_matmul)
+                          bf16_kernels=self.bf16_kernels, bf16_pair_matmul=self.bf16_pair_matmul,
+                          huge_pages=self.huge_pages)
 
     def check(self) -> None:
         """Refuse (ConfigError) what is wrong with these settings alone, before the model loads."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from tokenmill.errors import ConfigError, ModelFormatError
 from tokenmill.kernels import gpu
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.linear import can_prepack, linear_of
+from tokenmill.layers.memory import huge_page_copies
 from tokenmill.layers.moe import QuantizedStacked
 from tokenmill.layers.quantized import DENSE_FROM_ROWS, GpuQuantizedLinear, QuantizedLinear, QuantizedWeight
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -88,6 +90,8 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
         kept = model.keep_bf16_for_kernels(exact_only=dtype != torch.bfloat16)
         if kept:
             log.info("%d dense matrices kept in bf16 for tokenmill's kernels (--no-bf16-kernels: oneDNN's)", kept)
+    if plan.huge_pages and device.type == "cpu":
+        _place_on_huge_pages(model)
     _choose_pairs(model, dtype, plan.bf16_pair_matmul)
     if deterministic:  # the quantized kernel computes each row on its own; a dense copy's library would not
         log.info("deterministic: every step runs the quantized kernels (no dense copies); dense matmuls on fixed "
@@ -111,6 +115,22 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
         below = model.model.fused_decode_below
         log.info("decode steps%s run each layer as one fused op", f" of fewer than {below} rows" if below else "")
     return model.eval()
+
+
+def _place_on_huge_pages(model: nn.Module) -> None:
+    """Move the weights that tokenmill's kernels read as they lie (every module's QuantizedWeight: quantized, or bf16
+    kept for the kernels) into one mapping the OS may back with huge pages (layers/memory.py). A tensor that two
+    modules share (a head tied to the embeddings) is moved once and stays shared."""
+    held: list[Any] = [m for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+    fields = ("qweight", "scales", "mins")
+    tensors = {id(t): t for m in held for f in fields if (t := getattr(m.weight, f)) is not None}
+    moved = dict(zip(tensors, huge_page_copies(list(tensors.values())), strict=True))
+    for m in held:
+        w = m.weight
+        m.weight = dataclasses.replace(w, qweight=moved[id(w.qweight)], scales=moved[id(w.scales)],
+                                       mins=None if w.mins is None else moved[id(w.mins)])
+    log.info("weights the kernels read: %.0f MiB in one mapping advised for huge pages (--no-huge-pages: not)",
+             sum(t.nbytes for t in tensors.values()) / 2**20)
 
 
 def check_deterministic(device: torch.device) -> None:
