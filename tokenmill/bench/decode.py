@@ -328,6 +328,9 @@ def main() -> None:
     parser.add_argument("--freeze-gc", choices=["on", "off", "both"], default="on",
                         help="the collector sets aside what is alive once the model is loaded (off: "
                              "--no-freeze-gc; both: each, in its own process)")
+    parser.add_argument("--huge-pages", choices=["on", "off", "both"], default="on",
+                        help="CPU: the weights the kernels read in memory advised for huge pages (off: "
+                             "--no-huge-pages; both: each, in its own process)")
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     print(f"model {args.model}, {args.tokens} tokens greedy, {args.runs} runs, torch {torch.__version__}, "
@@ -336,7 +339,7 @@ def main() -> None:
           f"{'quant':<6} "
           f"{'bf16k':<6} "
           f"{'graphs':<7} "
-          f"{'row mm':<8} {'pdl':<4} {'gc':<4} "
+          f"{'row mm':<8} {'pdl':<4} {'gc':<4} {'huge':<4} "
           f"{'streams':>7} "
           f"{'median tok/s':>12} "
           f"{'min':>9} {'max':>9} {'weights GB/s':>12} {'step ms':>8} {'x 1 row':>7}")
@@ -344,21 +347,21 @@ def main() -> None:
     timing = Timing(args.tokens, args.runs, tuple(args.streams), args.prefill, args.profile, args.threads,
                     args.long)
     both = {"on": [True], "off": [False], "both": [False, True]}
-    runs = [(d, q, g, r, p, k, tp, f, st, kv, amx, pairs, mm, z) for d in args.dtype for q in both[args.quantized]
+    runs = [(d, q, g, r, p, k, tp, f, st, kv, amx, pairs, mm, z, hp) for d in args.dtype for q in both[args.quantized]
             for g in both[args.graphs] for r in both[args.row_matmul] for p in both[args.pdl]
             for k in both[args.bf16_kernels]
             for tp in args.tensor_parallel_size for f in both[args.fused_decode] for st in both[args.stacked_decode]
             for kv in args.kv_cache_dtype
             for amx in both[args.amx_attention] for pairs in args.bf16_pair_attention for mm in args.bf16_pair_matmul
-            for z in both[args.freeze_gc]]
-    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused, stacked, kv, amx, pairs, mm, freeze in runs:
+            for z in both[args.freeze_gc] for hp in both[args.huge_pages]]
+    for dtype, quantized, graphs, row, pdl, bf16_kernels, tp, fused, stacked, kv, amx, pairs, mm, freeze, huge in runs:
         config = EngineConfig(model=args.model, dtype=dtype, device=args.device, quantized_weights=quantized,
                               max_num_seqs=max(args.streams), enforce_eager=not graphs, gpu_row_matmul=row,
                               gpu_pdl=pdl, bf16_kernels=bf16_kernels, tensor_parallel_size=tp,
                               fused_decode_layers=fused, stacked_decode_layers=stacked, kv_cache_dtype=kv,
                               amx_attention=amx,
                               bf16_pair_attention=pairs,
-                              bf16_pair_matmul=mm, freeze_gc=freeze,
+                              bf16_pair_matmul=mm, freeze_gc=freeze, huge_pages=huge,
                               threads=max(1, threads // tp) if tp > 1 else args.threads)
         result = _in_fresh_process(spawn, config, replace(timing, threads=None) if tp > 1 else timing)
         mode = (f"{kv:<8} {'on' if amx else 'off':<4} {pairs:<5} {mm:<8} {tp:<3} {'on' if fused else 'off':<6} "
@@ -367,7 +370,7 @@ def main() -> None:
                 f"{'on' if result['bf16_kernels'] else 'off':<6} "
                 f"{'on' if result['graphs'] else 'off':<7} "
                 f"{'on' if result['row_matmul'] else 'off':<8} {'on' if result['pdl'] else 'off':<4} "
-                f"{'on' if freeze else 'off':<4}")
+                f"{'on' if freeze else 'off':<4} {'on' if huge else 'off':<4}")
         ones = result[1] if 1 in args.streams else None
         for n in args.streams:
             speeds = result[n]
