@@ -51,6 +51,8 @@ def test_a_model_on_huge_pages_computes_the_same_bits(tmp_path: Path) -> None:
     with torch.inference_mode():
         logits = {on: m.compute_logits(m.model.embed(ids)) for on, m in models.items()}
     assert torch.equal(logits[False], logits[True])
+    head, embed = models[True].lm_head, models[True].model.embed_tokens  # tied: still one weight, moved once
+    assert head.weight is embed.weight or not isinstance(embed.weight, QuantizedWeight)
     if memory.huge_pages_granted():
         storages = {t.untyped_storage().data_ptr() for w in held for t in (w.qweight, w.scales, w.mins)
                     if t is not None}

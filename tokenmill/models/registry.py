@@ -119,16 +119,17 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor |
 
 def _place_on_huge_pages(model: nn.Module) -> None:
     """Move the weights that tokenmill's kernels read as they lie (every module's QuantizedWeight: quantized, or bf16
-    kept for the kernels) into one mapping the OS may back with huge pages (layers/memory.py). A tensor that two
-    modules share (a head tied to the embeddings) is moved once and stays shared."""
+    kept for the kernels) into one mapping the OS may back with huge pages (layers/memory.py). A weight that two
+    modules share (a head tied to the embeddings) is moved once and stays one object."""
     held: list[Any] = [m for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
-    fields = ("qweight", "scales", "mins")
-    tensors = {id(t): t for m in held for f in fields if (t := getattr(m.weight, f)) is not None}
+    weights = {id(m.weight): m.weight for m in held}
+    tensors = {id(t): t for w in weights.values() for t in (w.qweight, w.scales, w.mins) if t is not None}
     moved = dict(zip(tensors, huge_page_copies(list(tensors.values())), strict=True))
-    for m in held:
-        w = m.weight
-        m.weight = dataclasses.replace(w, qweight=moved[id(w.qweight)], scales=moved[id(w.scales)],
+    placed = {key: dataclasses.replace(w, qweight=moved[id(w.qweight)], scales=moved[id(w.scales)],
                                        mins=None if w.mins is None else moved[id(w.mins)])
+              for key, w in weights.items()}
+    for m in held:
+        m.weight = placed[id(m.weight)]
     log.info("weights the kernels read: %.0f MiB in one mapping advised for huge pages (--no-huge-pages: not)",
              sum(t.nbytes for t in tensors.values()) / 2**20)
 
