@@ -20,6 +20,7 @@ import torch
 from tokenmill.cache.block_pool import BlockPool
 from tokenmill.cache.prefix_cache import RadixCache
 from tokenmill.layers import kv_quant
+from tokenmill.layers.memory import anonymous_bytes
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     a page at a time as it is first written: a pool sized at a tenth of RAM is not zero-filled at start (seconds) nor
     resident before its blocks are used. Page-aligned; unmapped when the tensor goes."""
     nbytes = math.prod(shape) * dtype.itemsize
-    private = getattr(mmap, "MAP_PRIVATE", None)  # POSIX's
-    if device.type != "cpu" or nbytes == 0 or private is None:
+    if device.type != "cpu" or nbytes == 0 or getattr(mmap, "MAP_PRIVATE", None) is None:  # POSIX's
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, nbytes, flags=private)
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
+    return anonymous_bytes(nbytes).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,16 @@ def huge_pages_granted() -> bool:
         return False
 
 
+def anonymous_bytes(nbytes: int, huge_pages: bool = False) -> torch.Tensor:
+    """nbytes of private anonymous memory as a uint8 tensor (POSIX: mmap.MAP_PRIVATE exists): the OS hands its pages
+    out zeroed as they are first written, none resident before. huge_pages: advised MADV_HUGEPAGE, before any page is
+    written (the first write's fault then hands out a huge one). Unmapped when the last tensor over it goes."""
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if huge_pages:
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8)
+
+
 def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of CPU tensors, side by side in one anonymous mapping advised MADV_HUGEPAGE, each contiguous and at a
     64-byte boundary; the mapping lives as long as any copy does. The tensors themselves where the OS grants no huge
@@ -32,9 +42,7 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     sizes = [-(-t.nbytes // ALIGN) * ALIGN for t in tensors]
     if not huge_pages_granted() or sum(sizes) == 0:
         return list(tensors)
-    memory = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE)
-    memory.madvise(mmap.MADV_HUGEPAGE)  # before the pages are first written: the fault then hands out a huge one
-    arena = torch.frombuffer(memory, dtype=torch.uint8)
+    arena = anonymous_bytes(sum(sizes), huge_pages=True)
     copies, offset = [], 0
     for tensor, size in zip(tensors, sizes, strict=True):
         copy = arena[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)

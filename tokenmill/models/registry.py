@@ -124,7 +124,13 @@ def _place_on_huge_pages(model: nn.Module) -> None:
     held: list[Any] = [m for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
     weights = {id(m.weight): m.weight for m in held}
     tensors = {id(t): t for w in weights.values() for t in (w.qweight, w.scales, w.mins) if t is not None}
-    moved = dict(zip(tensors, huge_page_copies(list(tensors.values())), strict=True))
+    if not tensors:  # a dense model's matrices, run by oneDNN: none kept for the kernels
+        return
+    copies = huge_page_copies(list(tensors.values()))
+    if all(copy is tensor for copy, tensor in zip(copies, tensors.values(), strict=True)):
+        log.info("weights the kernels read: on the allocator's pages (no transparent huge pages from this OS)")
+        return
+    moved = dict(zip(tensors, copies, strict=True))
     placed = {key: dataclasses.replace(w, qweight=moved[id(w.qweight)], scales=moved[id(w.scales)],
                                        mins=None if w.mins is None else moved[id(w.mins)])
               for key, w in weights.items()}
