@@ -2,9 +2,11 @@
 // read block by block through its block table (torch's path gathers every sequence's history into a new tensor
 // per layer and step, masks the padding and runs SDPA).
 //
-// As flash-decoding does, a sequence's keys are split in even chunks of at most kChunk: each (sequence, chunk, KV
-// head) is a task of its own, so that one long context keeps every thread busy (one task per KV head left one of
-// two threads idle a third of the time on SmolLM2's three KV heads), and the chunks' partial softmaxes merge after.
+// As flash-decoding does, a sequence's keys are split in even chunks of at most kChunk (kLongChunk past kLongRow
+// keys): each (sequence, chunk, KV head) is a task of its own, so that one long context keeps every thread busy (one
+// task per KV head left one of two threads idle a third of the time on SmolLM2's three KV heads), and the chunks'
+// partial softmaxes merge after. While a thread works on a chunk its loops fetch the next chunk it will take into
+// the caches (Ahead), so that reading the pool overlaps the arithmetic instead of following it.
 // In a task the KV head's query heads read each key and value once, from the pool as it lies (bf16 widened in
 // registers), and the dot products of four keys are summed across lanes together. A quantized pool (int8 or fp8,
 // cpu.h) is read as it lies too: a key's scale multiplies its scores, a value's its weight.
@@ -29,8 +31,33 @@ namespace {
 using tokenmill::dot;
 
 // Keys a task reads at most. Fixed, never from the thread count or the batch: a row's chunks, and so its result's
-// bits, follow from its own length alone, whatever else the step runs (the deterministic mode rests on it).
-constexpr int64_t kChunk = 256;
+// bits, follow from its own length alone, whatever else the step runs (the deterministic mode rests on it). Rows of
+// more than kLongRow keys take chunks of kLongChunk: two of those (every KV head's keys and values) fit in L2, the
+// one the thread works on and the next one it fetches (docs/performance/tuning.md); short rows keep the longer
+// chunks, whose fewer tasks and merges cost less than the overlap gains there.
+constexpr int64_t kChunk = 256, kLongChunk = 64, kLongRow = 512;
+// The next chunk is fetched only where it is at most this many bytes (keys and values), so that it fits in L2 beside
+// the one being worked on.
+constexpr int64_t kAheadBytes = 256 * 1024;
+
+// Keys a chunk of a row of `keys` keys holds: as few chunks as hold them, all of one size (the last one short).
+inline int64_t chunk_keys_of(int64_t keys) {
+  const int64_t most = keys > kLongRow ? kLongChunk : kChunk;
+  const int64_t chunks = (keys + most - 1) / most;
+  return chunks > 0 ? (keys + chunks - 1) / chunks : 0;
+}
+
+// The cache lines of the next chunk a thread will work on, fetched a few at a time from inside the loops over the
+// present one's keys (a burst of them at a task's start stalled it as long as reading them did).
+struct Ahead {
+  std::vector<const char*> lines;
+  size_t at = 0;
+
+  void fetch(int64_t count) {
+    for (const size_t last = std::min(lines.size(), at + static_cast<size_t>(count)); at < last; ++at)
+      __builtin_prefetch(lines[at], 0, 2);  // into L2 (x86's prefetcht1), on every instruction set
+  }
+};
 
 // A row of the pool as fp32: the pool's own memory where it is fp32, else widened into buf (a bf16 is the top half
 // of an fp32).
@@ -56,6 +83,7 @@ struct Chunk {
   float* scores;  // [group, stride]: room for the scores, then the weights
   int64_t stride;  // a multiple of 4, >= n
   int64_t span;  // bytes of each key's and value's row to fetch ahead from rows[i]: its KV head's, or every head's
+  Ahead* ahead;  // the next chunk's lines, some fetched each step of the loops
 };
 
 #if defined(TOKENMILL_VEC)
@@ -74,6 +102,7 @@ void scores_of(const Chunk& c, int64_t head, const KV* k_cache, const KV* v_cach
       }
   }
   for (int64_t i = 0; i < c.n; i += 4) {
+    c.ahead->fetch(8);
     const KV* key[4];
     for (int p = 0; p < 4; ++p) key[p] = k_cache + c.rows[std::min(i + p, c.n - 1)];  // past n: repeats, unused
     // Rows a few keys ahead from memory: each key's row is a KV head's slice of a position's, so the rows a task
@@ -115,6 +144,7 @@ void values_of(const Chunk& c, int64_t head, int64_t d0, const KV* v_cache, floa
   for (int g = 0; g < G; ++g)
     for (int p = 0; p < P; ++p) acc[g][p] = Vec::zero();
   for (int64_t i = 0; i < c.n; ++i) {
+    c.ahead->fetch(2);
     const KV* value = v_cache + c.rows[i] + d0 * Vec::kLanes;
     F v[P];
     for (int p = 0; p < P; ++p) v[p] = Vec::load(value + p * Vec::kLanes);
@@ -217,13 +247,13 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
   // another on a thread: the first fetches every head's rows of its positions (a position's heads lie side by side
   // in the pool; one head's rows alone are a third of SmolLM2's, at a stride, read at ~40% of the machine's read
   // bandwidth), the others find theirs in the cache.
-  // A sequence's keys split in as few chunks of at most kChunk as hold them, all of one size (the last one short):
-  // 300 keys as 150 and 150, not 256 and 44, which left one of two threads a sixth of the work.
+  // Even chunks (chunk_keys_of): 300 keys as 150 and 150, not 256 and 44, which left one of two threads a sixth of
+  // the work.
   std::vector<int64_t> task_of(seqs + 1, 0), chunks(seqs), chunk_keys(seqs);
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t keys = lengths[s] - first_of(s);
-    chunks[s] = (keys + kChunk - 1) / kChunk;
-    chunk_keys[s] = chunks[s] > 0 ? (keys + chunks[s] - 1) / chunks[s] : 0;
+    chunk_keys[s] = chunk_keys_of(keys);
+    chunks[s] = chunk_keys[s] > 0 ? (keys + chunk_keys[s] - 1) / chunk_keys[s] : 0;
     task_of[s + 1] = task_of[s] + kv_heads * chunks[s];
   }
   const int64_t tasks = task_of[seqs];
@@ -235,11 +265,35 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
     const float inv = 1.f / total;
     for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<T>(values[j] * inv);
   };
+  // The lines a task of (sequence s, chunk, KV head h) fetches ahead: its share (by KV head) of the positions of the
+  // next chunk its thread takes (tasks up to `end`), every KV head's keys and values of each, so that a chunk's
+  // tasks fetch all of the next one while they work; nothing where that chunk would not fit in L2 beside this one.
+  const int64_t position_bytes = kv_heads * stride_of_row * static_cast<int64_t>(sizeof(KV));
+  const auto plan_ahead = [&](Ahead& ahead, int64_t s, int64_t chunk, int64_t h, int64_t end) {
+    ahead.lines.clear(), ahead.at = 0;
+    const bool last = chunk + 1 == chunks[s];
+    const int64_t next = last ? s + 1 : s, next_chunk = last ? 0 : chunk + 1;
+    if (next == seqs || task_of[next] + next_chunk * kv_heads >= end) return;
+    const int64_t lo = first_of(next) + next_chunk * chunk_keys[next];
+    const int64_t n = std::min(chunk_keys[next], lengths[next] - lo);
+    if (n <= 0 || 2 * n * position_bytes > kAheadBytes) return;
+    const int64_t* table = tables + next * width;
+    const int64_t from = lo + h * n / kv_heads, to = lo + (h + 1) * n / kv_heads;
+    for (int64_t p = from, block = from / block_size, at = from % block_size; p < to; ++p) {
+      const int64_t row = (table[block] * block_size + at) * kv_heads * stride_of_row;
+      for (int64_t b = 0; b < position_bytes; b += 64) {
+        ahead.lines.push_back(reinterpret_cast<const char*>(k_cache + row) + b);
+        ahead.lines.push_back(reinterpret_cast<const char*>(v_cache + row) + b);
+      }
+      if (++at == block_size) at = 0, ++block;
+    }
+  };
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     constexpr int64_t stride = kChunk;  // a multiple of 4
     std::vector<float> query(group * dim), result(group * dim), row(dim), max(group), total(group),
         scores(group * stride);
     std::vector<int64_t> rows(kChunk);
+    Ahead ahead;
     int64_t s = std::upper_bound(task_of.begin(), task_of.end(), begin) - task_of.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_of[s + 1]) ++s;
@@ -256,8 +310,10 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
           query[g * dim + j] = static_cast<float>(q[(s * heads + h * group + g) * dim + j]) * scale;
       const bool all_heads = h == 0 && task + kv_heads <= end;  // this thread runs the chunk's other heads next
       const int64_t span = (all_heads ? kv_heads : 1) * stride_of_row * static_cast<int64_t>(sizeof(KV));
-      const Chunk c{query.data(), group, dim, rows.data(), n, scores.data(), stride, span};
+      plan_ahead(ahead, s, chunk, h, end);
+      const Chunk c{query.data(), group, dim, rows.data(), n, scores.data(), stride, span, &ahead};
       attend_chunk(c, k_cache, v_cache, row.data(), max.data(), total.data(), result.data());
+      ahead.fetch(static_cast<int64_t>(ahead.lines.size()));  // what the loops left (the plain ones fetch none)
       if (chunks[s] == 1) {
         for (int64_t g = 0; g < group; ++g) write(s, h, g, result.data() + g * dim, total[g]);
         continue;
