@@ -109,10 +109,11 @@ def test_a_sliding_window_prefill_sees_the_window_up_to_each_query(start: int, n
 @pytest.mark.parametrize("window", [0, 300])
 def test_long_contexts_split_in_chunks_merge_to_the_whole_softmax(heads: int, kv_heads: int, dim: int,
                                                                    window: int) -> None:
-    """Keys past one chunk (kernels/attention.cpp's kChunk, 256) are attended by several tasks whose partial
-    softmaxes merge: lengths just under, at and past chunk edges and split in even chunks (300 as two of 150, 513 as
-    three of 171), groups of 1 to 5 query heads a KV head (4 and more take several passes over the keys), dims the
-    vector paths take and those they leave to plain loops."""
+    """Keys past one chunk (kernels/attention.cpp's kChunk, 256; kLongChunk, 64, past 512 keys) are attended by
+    several tasks whose partial softmaxes merge: lengths just under, at and past chunk edges and split in even chunks
+    (300 as two of 150, 513 as nine of 57, 1100 as eighteen of 62), groups of 1 to 5 query heads a KV head (4 and
+    more take several passes over the keys), dims the vector paths take and those they leave to plain loops; each
+    thread fetching ahead the chunks it takes next, in the row and the next row."""
     torch.manual_seed(4)
     block, lengths = 16, [1, 255, 256, 257, 300, 513, 700, 1100]
     width = -(-max(lengths) // block)
