@@ -132,7 +132,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
                                        "block_size", "prefix_caching", "sliding_window_kv", "prepack_weights",
                                        "quantized_weights", "dense_weights_budget", "dequantize_from_rows",
                                        "amx_from_rows", "bf16_kernels", "fused_decode_layers",
-                                       "stacked_decode_layers", "huge_pages", "cpu_prefill_attention",
+                                       "stacked_decode_layers", "decode_fetch_ahead", "huge_pages",
+                                       "cpu_prefill_attention",
                                        "amx_attention", "bf16_pair_attention", "bf16_pair_matmul",
                                        "tp_shared_memory", "freeze_gc", "enforce_eager",
                                        "gpu_row_matmul", "gpu_pdl"),
@@ -218,6 +219,10 @@ class EngineConfig:
                                              "op per norm, projection, RoPE, attention...)")
     stacked_decode_layers: bool = option(True, "where decode steps run the fused layers, one C++ call runs them all, "
                                                "the loop over the layers in C++ (off: one call a layer from Python)")
+    decode_fetch_ahead: bool = option(True, "on CPU, decode attention fetches the next chunk of keys and values "
+                                            "a thread takes into its cache while it works on the present one, so "
+                                            "that reading the KV pool overlaps the arithmetic; one switch for the "
+                                            "process (off: each chunk's rows come from memory as it reads them)")
     huge_pages: bool = option(True, "on CPU, the weights tokenmill's kernels read (quantized, or bf16 kept for "
                                     "them) lie in one mapping advised for transparent huge pages, where the OS "
                                     "grants them: a step streams them with fewer TLB misses (off: the allocator's "

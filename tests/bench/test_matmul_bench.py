@@ -18,7 +18,8 @@ from tokenmill.bench import matmul
 def test_the_matmul_bench_times_each_matrix_and_a_pass_of_every_layer(tmp_path: Path, monkeypatch,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     model = write_tiny_gguf(tmp_path / "q4.gguf", qtype=GGMLQuantizationType.Q4_1, hidden=256)
-    monkeypatch.setattr(sys, "argv", ["matmul", str(model), "--rows", "1", "3", "--runs", "2", "--threads", "1"])
+    monkeypatch.setattr(sys, "argv", ["matmul", str(model), "--rows", "1", "3", "--runs", "2", "--threads", "1",
+                                      "--decode-fetch-ahead", "both"])
     matmul.main()
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -33,8 +34,9 @@ def test_the_matmul_bench_times_each_matrix_and_a_pass_of_every_layer(tmp_path: 
     assert passes[0].split()[-1] == "1.00"  # the one-row pass against itself
     assert float(passes[1].split()[-1]) > 0
     forward = lines[lines.index(next(line for line in lines if line.startswith("a decode step's forward"))) + 2:]
-    assert [f.split()[0] for f in forward] == ["1", "3"]
-    assert forward[0].split()[-1] == "1.00" and float(forward[1].split()[1]) > 0  # ms a step
+    assert [(f.split()[0], f.split()[-1]) for f in forward] == [("1", "off"), ("3", "off"), ("1", "on"), ("3", "on")]
+    assert forward[0].split()[-2] == "1.00" and float(forward[1].split()[1]) > 0  # ms a step
+    assert kernels.use_decode_fetch_ahead(True)  # turned back on after the off runs
 
 
 def test_the_matmul_bench_refuses_a_model_without_kernel_matrices(tmp_path: Path, monkeypatch) -> None:

@@ -138,6 +138,14 @@ def test_long_contexts_split_in_chunks_merge_to_the_whole_softmax(heads: int, kv
         alone = torch.ops.tokenmill.paged_decode_attention(q[i:i + 1], pool_k, pool_v, tables[i:i + 1],
                                                            torch.tensor(lengths[i:i + 1]), dim**-0.5, window)
         assert torch.equal(alone[0], out[i])
+    # Fetching ahead moves memory, never a number: with it off, the same bits.
+    try:
+        assert kernels.use_decode_fetch_ahead(False)
+        off = torch.ops.tokenmill.paged_decode_attention(q, pool_k, pool_v, tables, torch.tensor(lengths), dim**-0.5,
+                                                         window)
+    finally:
+        assert not kernels.use_decode_fetch_ahead(True)
+    assert torch.equal(off, out)
     for dtype in (torch.bfloat16, torch.float16):
         out = torch.ops.tokenmill.paged_decode_attention(q.to(dtype), pool_k.to(dtype), pool_v.to(dtype), tables,
                                                          torch.tensor(lengths), dim**-0.5, window)

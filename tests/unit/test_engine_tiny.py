@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import assert_no_live_blocks, counted, generate, start_engine
 
-from tokenmill import __version__
+from tokenmill import __version__, kernels
 from tokenmill.config import WeightPlan
 from tokenmill.engine import builder as builder_module
 from tokenmill.engine import engine as engine_module
@@ -972,6 +972,16 @@ def test_the_gpu_switches_are_set_at_start(tiny4k: LoadedModel) -> None:
     finally:
         gpu.use_row_matmul(True)
         gpu.use_pdl(True)
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the C++ kernels do not build here")
+def test_decode_attention_fetches_ahead_as_the_engine_was_started(tiny4k: LoadedModel) -> None:
+    try:
+        for on in (False, True):
+            start_engine(tiny4k, decode_fetch_ahead=on).stop()
+            assert kernels.use_decode_fetch_ahead(True) is on  # the switch as the start left it
+    finally:
+        kernels.use_decode_fetch_ahead(True)
 
 
 def test_cuda_graphs_are_built_on_a_gpu_with_a_paged_pool_and_the_kernels_only(

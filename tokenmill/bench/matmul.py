@@ -2,7 +2,7 @@
 layout), at the row counts of decode, speculative verify and prefill steps, and a decode step's whole forward.
 
     python -m tokenmill.bench.matmul [MODEL] [--rows 1 5 8 32 512] [--runs 9] [--threads 2] [--context 256] \
-        [--kv-cache-dtype int8] [--bf16-pair-matmul on|off]
+        [--kv-cache-dtype int8] [--bf16-pair-matmul on|off] [--decode-fetch-ahead on|off|both]
 
 Three measures, each a median (and the fastest) over --runs:
 
@@ -18,8 +18,9 @@ rows costs against a step of one, in the matmuls (the step's target for a 5-row 
 **A decode step's forward.** The model's forward at each row count up to 64 (a decode step's), each row a
 sequence of --context keys in a paged KV pool (every layer as the engine runs it, fused where it can, then the
 head), alternated with a one-row forward --runs times: milliseconds a step, and the median over the alternations of
-each one's time over the one-row step beside it (the machine's drift between them cancels). The engine's step adds
-the scheduler, the sampler and the output around it (python -m tokenmill.bench.decode).
+each one's time over the one-row step beside it (the machine's drift between them cancels). --decode-fetch-ahead
+both times each step with decode attention's fetching ahead off and on, taking turns in this one process. The
+engine's step adds the scheduler, the sampler and the output around it (python -m tokenmill.bench.decode).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from tokenmill import kernels
 from tokenmill.cache import metadata
 from tokenmill.cache.kv_cache import PagedKVCache
 from tokenmill.config import EngineConfig, WeightPlan
@@ -56,8 +58,10 @@ def _rows(count: int, features: int) -> torch.Tensor:
     return torch.randn(count, features, generator=torch.Generator().manual_seed(count)).to(torch.bfloat16)
 
 
-def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: int, kv_cache_dtype: str) -> None:
-    """A decode step's forward at each row count, alternated with a one-row step (the module's docstring)."""
+def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: int, kv_cache_dtype: str,
+                   fetch_ahead: list[bool]) -> None:
+    """A decode step's forward at each row count, alternated with a one-row step, for each setting of decode
+    attention's fetching ahead in turn (the module's docstring)."""
     block = 16
     counts = [count for count in counts if count <= 64]
     rows = max(counts, default=1)
@@ -65,6 +69,11 @@ def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: i
     cache = PagedKVCache(spec, loaded.device, num_blocks=rows * (context // block + 1) + 1, block_size=block)
     for seq in range(rows):
         assert cache.reserve(seq, context + 1, context + 1)
+    # Written once, so that the steps read the pool from memory: its pages untouched, every read would find the
+    # kernel's one shared zero page, always in the caches.
+    for pool in cache.pools:
+        for layer in (*pool.k_layers, *pool.v_layers):
+            layer.zero_()
 
     def step(count: int) -> Callable[[], object]:
         slices = [SequenceSlice(seq, context, 1) for seq in range(count)]
@@ -78,15 +87,23 @@ def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: i
     calls = {count: step(count) for count in sorted({1, *counts})}
     for call in calls.values():
         call()  # warm-up
-    times: dict[int, list[float]] = {count: [] for count in calls}
-    for _ in range(runs):
-        for count, call in calls.items():
-            times[count] += call_times(call, 1, repeat=5)
+    times: dict[tuple[bool, int], list[float]] = {(on, count): [] for on in fetch_ahead for count in calls}
+    try:
+        for _ in range(runs):
+            for on in fetch_ahead:
+                kernels.use_decode_fetch_ahead(on)
+                for count, call in calls.items():
+                    times[on, count] += call_times(call, 1, repeat=5)
+    finally:
+        kernels.use_decode_fetch_ahead(True)
     print(f"\na decode step's forward, each row a sequence of {context} keys, alternated with one row's")
-    print(f"{'rows':>5s} {'ms a step':>18s} {'x 1 row':>8s}")
-    for count in counts:
-        ratio = statistics.median(t / one for t, one in zip(times[count], times[1], strict=True))
-        print(f"{count:5d} {statistics.median(times[count]) * 1e3:9.3f} ({min(times[count]) * 1e3:.3f}) {ratio:8.2f}")
+    print(f"{'rows':>5s} {'ms a step':>18s} {'x 1 row':>8s} {'fetch ahead':>11s}")
+    for on in fetch_ahead:
+        for count in counts:
+            mine, ones = times[on, count], times[on, 1]
+            ratio = statistics.median(t / one for t, one in zip(mine, ones, strict=True))
+            print(f"{count:5d} {statistics.median(mine) * 1e3:9.3f} ({min(mine) * 1e3:.3f}) {ratio:8.2f} "
+                  f"{'on' if on else 'off':>11s}")
 
 
 def main() -> None:
@@ -98,6 +115,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="keys each row of a decode step sees")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="the pool's dtype in the decode steps' table")
+    parser.add_argument("--decode-fetch-ahead", default="on", choices=["on", "off", "both"],
+                        help="decode attention fetches the next chunk ahead in the forward steps (both: off and on "
+                             "taking turns in this process)")
     parser.add_argument("--bf16-pair-matmul", default="auto", choices=["auto", "on", "off"],
                         help="a bf16 model's bf16 weights multiply its rows as bf16 pairs or widened to fp32")
     args = parser.parse_args()
@@ -143,7 +163,8 @@ def main() -> None:
             one_row = median
         ratio = f"{median / one_row:8.2f}" if one_row else ""
         print(f"{count:5d} {median * 1e3:9.3f} ({min(times) * 1e3:.3f}) {nbytes / median / 1e9:6.1f} {ratio}")
-    _forward_steps(loaded, args.rows, args.runs, args.context, args.kv_cache_dtype)
+    _forward_steps(loaded, args.rows, args.runs, args.context, args.kv_cache_dtype,
+                   {"on": [True], "off": [False], "both": [False, True]}[args.decode_fetch_ahead])
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill import backend
+from tokenmill import backend, kernels
 from tokenmill.cache.kv_cache import AttentionPaths, KVCache, KVSpec, PagedKVCache
 from tokenmill.cache.sizing import build_kv_cache, prefill_on
 from tokenmill.config import EngineConfig
@@ -55,6 +55,7 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     config.check()
     gpu.use_row_matmul(config.gpu_row_matmul)
     gpu.use_pdl(config.gpu_pdl)
+    kernels.use_decode_fetch_ahead(config.decode_fetch_ahead)
     tp = None
     if config.tensor_parallel_size > 1:
         if loaded is not None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmill import backend
+from tokenmill import backend, kernels
 from tokenmill.cache.kv_cache import KVSpec, PagedKVCache
 from tokenmill.cache.sizing import build_kv_cache
 from tokenmill.config import EngineConfig
@@ -295,6 +295,7 @@ def run_worker(config: EngineConfig, spec: GroupSpec, rank: int, conn: Connectio
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
     try:
         torch.set_num_threads(rank_threads(config))
+        kernels.use_decode_fetch_ahead(config.decode_fetch_ahead)
         device = rank_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's, and every kernel's, default device

@@ -53,6 +53,13 @@ def has_tiles() -> bool:
     return load() and bool(torch.ops.tokenmill.tiles_available())
 
 
+def use_decode_fetch_ahead(on: bool) -> bool:
+    """Whether decode attention fetches the next chunk of keys and values while it works on the present one
+    (--decode-fetch-ahead; kernels/attention.cpp): one switch for the process. Returns what it was (True where the
+    kernels are not loaded: there is nothing to switch)."""
+    return bool(torch.ops.tokenmill.set_decode_fetch_ahead(on)) if load() else True
+
+
 def _sources() -> list[str]:
     return [str(resources.files(__package__) / name) for name in SOURCES]
 

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +40,8 @@ constexpr int64_t kChunk = 256, kLongChunk = 64, kLongRow = 512;
 // The next chunk is fetched only where it is at most this many bytes (keys and values), so that it fits in L2 beside
 // the one being worked on.
 constexpr int64_t kAheadBytes = 256 * 1024;
+// Whether it is fetched at all (--no-decode-fetch-ahead, for A/B): one switch for the process, as its thread count is.
+std::atomic<bool> fetch_ahead{true};
 
 // Keys a chunk of a row of `keys` keys holds: as few chunks as hold them, all of one size (the last one short).
 inline int64_t chunk_keys_of(int64_t keys) {
@@ -271,6 +274,7 @@ void decode(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tab
   const int64_t position_bytes = kv_heads * stride_of_row * static_cast<int64_t>(sizeof(KV));
   const auto plan_ahead = [&](Ahead& ahead, int64_t s, int64_t chunk, int64_t h, int64_t end) {
     ahead.lines.clear(), ahead.at = 0;
+    if (!fetch_ahead.load(std::memory_order_relaxed)) return;
     const bool last = chunk + 1 == chunks[s];
     const int64_t next = last ? s + 1 : s, next_chunk = last ? 0 : chunk + 1;
     if (next == seqs || task_of[next] + next_chunk * kv_heads >= end) return;
@@ -391,6 +395,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   return out;
 }
 
+// Sets the switch; returns what it was.
+bool set_decode_fetch_ahead(bool on) { return fetch_ahead.exchange(on); }
+
 }  // namespace
 
 template <typename KV>
@@ -410,6 +417,7 @@ TOKENMILL_FOR_POOL_DTYPES(TOKENMILL_PAGED_DECODE_ROWS)
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lengths, "
         "float scale, int window=0) -> Tensor");
+  m.def("set_decode_fetch_ahead(bool on) -> bool", &set_decode_fetch_ahead);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
