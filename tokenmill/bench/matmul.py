@@ -2,7 +2,7 @@
 layout), at the row counts of decode, speculative verify and prefill steps, and a decode step's whole forward.
 
     python -m tokenmill.bench.matmul [MODEL] [--rows 1 5 8 32 512] [--runs 9] [--threads 2] [--context 256] \
-        [--kv-cache-dtype int8] [--bf16-pair-matmul on|off] [--decode-fetch-ahead on|off|both]
+        [--dtype float32] [--kv-cache-dtype int8] [--bf16-pair-matmul on|off] [--decode-fetch-ahead on|off|both]
 
 Three measures, each a median (and the fastest) over --runs:
 
@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="keys each row of a decode step sees")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="the pool's dtype in the decode steps' table")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the rows' dtype (and the KV pool's, where --kv-cache-dtype is auto)")
     parser.add_argument("--decode-fetch-ahead", default="on", choices=["on", "off", "both"],
                         help="decode attention fetches the next chunk ahead in the forward steps (both: off and on "
                              "taking turns in this process)")
@@ -123,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, WeightPlan(dtype="bfloat16", device="cpu", bf16_pair_matmul=args.bf16_pair_matmul))
+    loaded = load_model(args.model, WeightPlan(dtype=args.dtype, device="cpu", bf16_pair_matmul=args.bf16_pair_matmul))
     net = loaded.model
     assert isinstance(net, torch.nn.Module)
     linears = {name: m for name, m in net.named_modules() if isinstance(m, QuantizedLinear)}
