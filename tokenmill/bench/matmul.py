@@ -69,8 +69,8 @@ def _forward_steps(loaded: LoadedModel, counts: list[int], runs: int, context: i
     cache = PagedKVCache(spec, loaded.device, num_blocks=rows * (context // block + 1) + 1, block_size=block)
     for seq in range(rows):
         assert cache.reserve(seq, context + 1, context + 1)
-    # Written once, so that the steps read the pool from memory: its pages untouched, every read would find the
-    # kernel's one shared zero page, always in the caches.
+    # Written once, so that the steps read the pool from memory: its pages untouched, every read would find Linux's
+    # one shared zero page, always in the caches.
     for pool in cache.pools:
         for layer in (*pool.k_layers, *pool.v_layers):
             layer.zero_()
