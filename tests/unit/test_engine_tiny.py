@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import logging
 import re
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -982,6 +984,14 @@ def test_decode_attention_fetches_ahead_as_the_engine_was_started(tiny4k: Loaded
             assert kernels.use_decode_fetch_ahead(True) is on  # the switch as the start left it
     finally:
         kernels.use_decode_fetch_ahead(True)
+
+
+def test_turning_the_fetch_ahead_on_loads_no_kernels() -> None:
+    """The kernels load with it on, so an engine's start sets it without building them (a GPU never runs them)."""
+    code = ("from tokenmill import kernels; kernels.use_decode_fetch_ahead(True); "
+            "print(kernels.load.cache_info().currsize)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.strip() == "0"
 
 
 def test_cuda_graphs_are_built_on_a_gpu_with_a_paged_pool_and_the_kernels_only(

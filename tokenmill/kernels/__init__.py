@@ -56,7 +56,10 @@ def has_tiles() -> bool:
 def use_decode_fetch_ahead(on: bool) -> bool:
     """Whether decode attention fetches the next chunk of keys and values while it works on the present one
     (--decode-fetch-ahead; kernels/attention.cpp): one switch for the process. Returns what it was (True where the
-    kernels are not loaded: there is nothing to switch)."""
+    kernels are not loaded: there is nothing to switch). The kernels load with it on, so turning it on loads
+    nothing: an engine's start on a GPU, which never runs them, does not build them for it."""
+    if on and load.cache_info().currsize == 0:
+        return True
     return bool(torch.ops.tokenmill.set_decode_fetch_ahead(on)) if load() else True
 
 
